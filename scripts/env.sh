@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Create (once) and activate the project's virtual environment in .venv.
+#
+# Sourced by scripts/run_tests.sh and scripts/run_main_job.sh so that each of them
+# works on a fresh machine by itself. Pins:
+#   torch==2.13.0          the CPU build pip finds locally (any other pin downloads a CUDA build)
+#   megatron-core==0.19.2  its wheel says Python>=3.12 but runs on 3.11; installed with
+#                          --no-deps so pip does not try a numpy source build, plus the
+#                          light dependencies it really needs.
+# Transformer Engine / flash-attn / apex are GPU-only extras and are never installed here.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${STARTRAIL_VENV:-$ROOT/.venv}"
+PYTHON="${PYTHON:-python3.11}"
+command -v "$PYTHON" >/dev/null 2>&1 || PYTHON=python3
+STAMP="$VENV/.startrail-env-v1"
+
+if [ ! -f "$STAMP" ]; then
+  echo "[env] creating $VENV with $($PYTHON --version 2>&1)"
+  "$PYTHON" -m venv "$VENV"
+  "$VENV/bin/pip" install -q --upgrade pip
+  "$VENV/bin/pip" install -q "torch==2.13.0"
+  "$VENV/bin/pip" install -q --no-deps --ignore-requires-python "megatron-core==0.19.2"
+  "$VENV/bin/pip" install -q numpy "packaging>=24.2" einops typing_extensions \
+      pytest pytest-timeout matplotlib
+  "$VENV/bin/pip" install -q --no-deps -e "$ROOT"
+  touch "$STAMP"
+fi
+# shellcheck disable=SC1091
+source "$VENV/bin/activate"

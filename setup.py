@@ -1,0 +1,18 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_startrail",
+    version="0.1.0",
+    description="StarTrail (concentric-ring) context parallelism for Megatron-LM",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["megatron_startrail", "megatron_startrail.*"]),
+    python_requires=">=3.10",
+    install_requires=["torch>=2.4", "megatron-core>=0.16.1"],
+    extras_require={
+        # GPU-only fused kernels; none of them is required, and none builds without CUDA.
+        "gpu": ["transformer-engine", "flash-attn", "apex"],
+        "test": ["pytest", "pytest-timeout"],
+        "bench": ["matplotlib"],
+    },
+)

@@ -1,0 +1,116 @@
+"""Run a function on N gloo ranks forked from the test process.
+
+Why fork: on a 2-core machine, starting 16 fresh Python processes that import torch and
+megatron takes ~50 s; forking a parent that already imported them takes well under a
+second per rank. Why short timeouts: a schedule mismatch between ranks would otherwise
+hang a collective for gloo's default 30 minutes; here it fails the test in seconds.
+
+Usage::
+
+    results = run_ranks(worker, world_size=8, args=(...))   # list of per-rank returns
+
+``worker(rank, world_size, *args)`` runs inside an initialized default process group
+(backend gloo). Any exception on any rank fails the call with that rank's traceback.
+Workers should build their own inputs from a seed (the parent does no torch work, so
+forking never copies a live OpenMP thread pool into the children).
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+# Collective timeout inside the ranks: a mismatch raises instead of hanging.
+PG_TIMEOUT_S = float(os.environ.get("STARTRAIL_TEST_PG_TIMEOUT", "60"))
+
+
+def _child(fn, rank, world_size, init_file, args, kwargs, conn):
+    result: Any
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
+        )
+        result = ("ok", fn(rank, world_size, *args, **kwargs))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        result = ("error", traceback.format_exc())
+    try:
+        conn.send_bytes(pickle.dumps(result))
+    except Exception:  # unpicklable return value
+        conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
+    conn.close()
+    # Skip destroy_process_group: a rank that failed would block in it waiting for peers.
+    os._exit(0)
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    kwargs: dict | None = None,
+    timeout: float = 240.0,
+) -> list[Any]:
+    """Fork ``world_size`` ranks running ``fn``; return their results in rank order."""
+    ctx = mp.get_context("fork")
+    kwargs = kwargs or {}
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "pg_init")
+        procs, conns = [], []
+        for rank in range(world_size):
+            parent_conn, child_conn = ctx.Pipe(duplex=False)
+            p = ctx.Process(
+                target=_child,
+                args=(fn, rank, world_size, init_file, tuple(args), kwargs, child_conn),
+                daemon=True,
+            )
+            p.start()
+            child_conn.close()
+            procs.append(p)
+            conns.append(parent_conn)
+
+        deadline = time.monotonic() + timeout
+        results: list[Any] = [None] * world_size
+        errors: list[str] = []
+        pending = set(range(world_size))
+        while pending and time.monotonic() < deadline:
+            for rank in sorted(pending):
+                conn = conns[rank]
+                if conn.poll(0.05):
+                    try:
+                        status, value = pickle.loads(conn.recv_bytes())
+                    except EOFError:
+                        status, value = "error", "rank died without reporting"
+                    pending.discard(rank)
+                    if status == "ok":
+                        results[rank] = value
+                    else:
+                        errors.append(f"--- rank {rank} ---\n{value}")
+                elif not procs[rank].is_alive() and not conn.poll(0):
+                    pending.discard(rank)
+                    errors.append(f"--- rank {rank} --- exited with code {procs[rank].exitcode}")
+            if errors:
+                # One failure is enough; the others would only wait for their timeout.
+                break
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+            p.join()
+        if pending and not errors:
+            errors.append(f"timed out after {timeout:.0f}s; ranks still running: {sorted(pending)}")
+        if errors:
+            raise AssertionError("distributed run failed\n" + "\n".join(errors))
+        return results
