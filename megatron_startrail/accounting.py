@@ -1,0 +1,145 @@
+"""Closed forms of what one rank sends per attention forward and backward.
+
+Pure functions of the rank math (:mod:`megatron_startrail.topology`) and the tensor
+sizes; the tests assert that the communicator's measured counters equal them exactly,
+and the planner prices them. Conventions are those of :mod:`megatron_startrail.comm`
+(collectives count the logical volume of a bandwidth-optimal algorithm).
+
+Per StarTrail rank, after the Ulysses all-to-all, with ``e`` the input's element size,
+``a`` the accumulator's (4, or 8 for float64 inputs), ``Eq``/``Ekv`` the elements of
+this rank's Q and of its K (= V), ``El`` its lse elements (``s * b * heads``), ``G``
+the sub-ring length and ``init`` = 1 unless the initial send maps the rank to itself:
+
+forward
+    collective  (C-1) (Eq + 2 Ekv) e        team all-gather of Q, K, V     [paper eq. 2:
+              + (C-1) Eq e                   team merge of partial outputs   4(C-1)BNH/P]
+              + (C-1) El a                   ... and of their lse
+    p2p sent    (init + G - 1) 2 C Ekv e     initial send + sub-ring        [paper eq. 3
+    steps       init + G - 1                                                  omits init]
+backward, rotation "q" (paper 3.2.1: K, V fixed; Q, dO, out, lse and dQ circulate)
+    p2p sent    (G-1) C (3 Eq e + El a) + [G>1] G C Eq a + init 2 C Ekv a
+backward, rotation "kv" (K, V and dK, dV circulate; cheaper with GQA)
+    p2p sent    (G-1) 2 C Ekv e + [G>1] G 2 C Ekv a + init 2 C Ekv a
+    collective  (C-1) (2 Eq e + El a)       all-gather dO, out, lse
+              + (C-1) (Eq + 2 Ekv) a         reduce-scatter dQ, dK, dV (float32)
+    steps       [G>1] G + init              (the gradient accumulator's chain)
+Ulysses (U > 1) adds (U-1)/U of the all-to-all'd Q, K, V and output bytes each way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .topology import StarTrailTopology
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """One layer's attention on one CP rank: ``q [seq_local, batch, heads, head_dim]``."""
+
+    seq_local: int  # tokens on one CP rank (before the Ulysses all-to-all)
+    batch: int
+    heads: int  # query heads on this rank (after tensor parallelism)
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: int  # 2 for bf16/fp16, 4 for fp32, 8 for fp64
+
+    @property
+    def acc_bytes(self) -> int:
+        return 8 if self.dtype_bytes == 8 else 4
+
+
+def ulysses_kv_heads(kv_heads: int, ulysses_size: int) -> int:
+    """K/V heads entering the Ulysses all-to-all (replicated up to U when fewer)."""
+    if ulysses_size > 1 and kv_heads % ulysses_size != 0:
+        return ulysses_size
+    return kv_heads
+
+
+def backward_p2p_bytes_per_step(shape: AttentionShape, ulysses_size: int, team_size: int) -> dict[str, int]:
+    """Bytes one sub-ring step moves in the backward, per rotation choice."""
+    u, c, e, a = ulysses_size, team_size, shape.dtype_bytes, shape.acc_bytes
+    s = shape.seq_local * u
+    eq = s * shape.batch * (shape.heads // u) * shape.head_dim
+    ekv = s * shape.batch * (ulysses_kv_heads(shape.kv_heads, u) // u) * shape.head_dim
+    el = s * shape.batch * (shape.heads // u)
+    return {"q": c * (3 * eq * e + el * a + eq * a), "kv": c * (2 * ekv * e + 2 * ekv * a)}
+
+
+def choose_backward_rotation(shape: AttentionShape, ulysses_size: int, team_size: int) -> str:
+    """The cheaper backward rotation; ties go to the paper's ("q")."""
+    per_step = backward_p2p_bytes_per_step(shape, ulysses_size, team_size)
+    return "q" if per_step["q"] <= per_step["kv"] else "kv"
+
+
+def expected_comm(
+    shape: AttentionShape,
+    *,
+    cp_size: int,
+    team_size: int,
+    ulysses_size: int = 1,
+    startrail_rank: int = 0,
+    rotation: str = "auto",
+) -> dict[str, dict[str, int]]:
+    """Closed-form :class:`~megatron_startrail.comm.CommStats` fields for one rank.
+
+    Returns ``{"forward": {...}, "backward": {...}}`` with keys ``p2p_bytes_sent``,
+    ``p2p_bytes_recv``, ``collective_bytes_sent``, ``collective_bytes_recv``,
+    ``p2p_steps``.
+    """
+    u, c, e, a = ulysses_size, team_size, shape.dtype_bytes, shape.acc_bytes
+    topo = StarTrailTopology(cp_size // u, c)
+    g = topo.sub_ring_size
+    if rotation == "auto":
+        rotation = choose_backward_rotation(shape, u, c)
+    init = int(topo.init_send_dst(startrail_rank) != startrail_rank)
+
+    s = shape.seq_local * u  # tokens per StarTrail rank after Ulysses
+    heads, kv_heads = shape.heads // u, ulysses_kv_heads(shape.kv_heads, u) // u
+    eq = s * shape.batch * heads * shape.head_dim
+    ekv = s * shape.batch * kv_heads * shape.head_dim
+    el = s * shape.batch * heads
+
+    # Ulysses all-to-all volume per direction (per CP rank, before the exchange).
+    uly_in = (u - 1) * (eq + 2 * ekv) * e // u
+    uly_out = (u - 1) * eq * e // u
+
+    fwd_coll = (c - 1) * ((eq + 2 * ekv) * e + eq * e + el * a) + uly_in + uly_out
+    fwd_p2p = (init + g - 1) * 2 * c * ekv * e
+    fwd_steps = init + g - 1
+
+    if rotation == "q":
+        ring = (g - 1) * c * (3 * eq * e + el * a) + (g * c * eq * a if g > 1 else 0)
+    else:
+        ring = (g - 1) * 2 * c * ekv * e + (g * 2 * c * ekv * a if g > 1 else 0)
+    bwd_p2p = ring + init * 2 * c * ekv * a
+    bwd_coll = (c - 1) * ((2 * eq * e + el * a) + (eq + 2 * ekv) * a) + uly_in + uly_out
+    bwd_steps = (g if g > 1 else 0) + init
+
+    def stats(p2p: int, coll: int, steps: int) -> dict[str, int]:
+        return {
+            "p2p_bytes_sent": p2p,
+            "p2p_bytes_recv": p2p,
+            "collective_bytes_sent": coll,
+            "collective_bytes_recv": coll,
+            "p2p_steps": steps,
+        }
+
+    return {"forward": stats(fwd_p2p, fwd_coll, fwd_steps), "backward": stats(bwd_p2p, bwd_coll, bwd_steps)}
+
+
+def paper_forward_bytes(shape: AttentionShape, *, cp_size: int, team_size: int) -> dict[str, int]:
+    """The paper's eq. 1-3 volumes (bytes, one forward, per rank), for comparison.
+
+    Eq. 1 (ring, C = 1): ``(P-1) 2 BNH/P``. Eq. 2 (collective): ``4 BNH (C-1)/P``.
+    Eq. 3 (sub-ring P2P): ``(P/C^2 - 1) 2 C BNH/P``. ``BNH/P`` is one rank's Q; the
+    paper assumes K, V as large as Q (no GQA) and leaves out the initial send and the
+    lse of the merge.
+    """
+    p, c, e = cp_size, team_size, shape.dtype_bytes
+    local = shape.seq_local * shape.batch * shape.heads * shape.head_dim * e  # BNH/P
+    return {
+        "ring_p2p": (p - 1) * 2 * local,
+        "collective": 4 * (c - 1) * local,
+        "sub_ring_p2p": (p // (c * c) - 1) * 2 * c * local,
+    }

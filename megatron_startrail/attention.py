@@ -1,0 +1,230 @@
+"""StarTrail attention: the autograd Function and the functional entry point.
+
+Forward on StarTrail position ``r`` (team ``t``, member ``m``; DESIGN.md section 1)::
+
+    1. team all-gather      q, k, v  [n, b, h, d]  ->  [C*n, ...]       (team's queries)
+    2. initial send          team K, V to init_send_dst(r)               (paper Alg. 2)
+    3. sub-ring, G steps     attend team queries to the K, V held, pass
+                             K, V to ring_next                            (paper Alg. 3)
+    4. team merge            partial (out, lse) of the team's queries ->
+                             each member merges its own rows in float32   (reduce-scatter
+                                                                            with lse merge)
+Backward (paper 3.2.1): all-gather dO, out, lse in the team; run the same sub-ring
+schedule with either Q-side or K/V-side circulating (``rotation``); send dK, dV back
+along the reverse of the initial send; reduce-scatter dQ, dK, dV in the team.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import blocks
+from .accounting import AttentionShape, choose_backward_rotation
+from .comm import CommStats, Communicator
+from .groups import StarTrailGroups
+from .kernels import select_kernel
+from .schedule import rotate
+from .ulysses import gather_sequence, scatter_sequence
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _team_chunks(groups: StarTrailGroups, team: int) -> tuple[int, ...]:
+    """Global chunk indices of a team's gathered sequence (members in order)."""
+    return tuple(c for pos in groups.topology.team_positions(team) for c in groups.position_chunks(pos))
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _gather_lse(comm: Communicator, groups: StarTrailGroups, lse: torch.Tensor, op: str) -> torch.Tensor:
+    # [b, h, n] -> [b, h, C*n]: gather along the sequence, which must lead for the collective.
+    c = groups.team_size
+    gathered = comm.all_gather(lse.permute(2, 0, 1), groups.team_group, c, op=op)
+    return gathered.permute(1, 2, 0).contiguous()
+
+
+class _StarTrailAttention(torch.autograd.Function):
+    """Exact attention over the StarTrail group, on post-Ulysses local tensors."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, groups: StarTrailGroups, causal, scale, rotation, fwd_stats, bwd_stats):
+        # q [n, b, h, d], k/v [n, b, hkv, d]; n = len(my chunks) * L
+        topo, pos = groups.topology, groups.startrail_rank
+        c, member, team = topo.team_size, topo.member_of(pos), topo.team_of(pos)
+        kernel = select_kernel(q.device, groups.kernel)
+        comm = Communicator(fwd_stats, groups.startrail_group, groups.startrail_global_ranks)
+        n = q.shape[0]
+
+        # 1. team all-gather                       [C*n, b, h, d], [C*n, 2, b, hkv, d]
+        q_team = comm.all_gather(q, groups.team_group, c, op="team_all_gather")
+        kv_team = comm.all_gather(torch.stack([k, v], dim=1), groups.team_group, c, op="team_all_gather")
+
+        # 2. initial send of the team's K, V
+        dst, src = topo.init_send_dst(pos), topo.init_send_src(pos)
+        kv_init = kv_team
+        if dst != pos:
+            kv_init = torch.empty_like(kv_team)
+            comm.post([(kv_team, dst)], [(kv_init, src)], op="init_send").wait()
+
+        # 3. sub-ring                              acc: out [b, h, C*n, d], lse [b, h, C*n]
+        b, h, d = q.shape[1], q.shape[2], v.shape[3]
+        acc_dtype = _acc_dtype(q.dtype)
+        acc_out = q.new_zeros((b, h, c * n, d), dtype=acc_dtype)
+        acc_lse = q.new_full((b, h, c * n), float("-inf"), dtype=acc_dtype)
+        q_chunks = _team_chunks(groups, team)
+
+        def attend(step, payload):
+            kv_chunks = _team_chunks(groups, topo.kv_team_at_step(pos, step))
+            blocks.forward_step(kernel, q_team, payload[0], q_chunks, kv_chunks, acc_out, acc_lse,
+                                causal=causal, scale=scale)
+
+        rotate(comm, topo, pos, [kv_init], attend, op="sub_ring")
+
+        # 4. team merge: member m keeps rows [m*n, (m+1)*n) of the team's queries
+        if c == 1:
+            out, lse = acc_out, acc_lse
+        else:
+            # [b, h, C*n, d] -> [C (destination member), b, h, n, d]
+            parts = acc_out.view(b, h, c, n, d).permute(2, 0, 1, 3, 4).to(q.dtype)
+            part_lse = acc_lse.view(b, h, c, n).permute(2, 0, 1, 3)
+            parts = comm.all_to_all(parts, groups.team_group, c, op="team_merge")
+            part_lse = comm.all_to_all(part_lse, groups.team_group, c, op="team_merge")
+            out, lse = blocks.merge_partials(parts, part_lse)
+        out = out.permute(2, 0, 1, 3).to(q.dtype).contiguous()  # [n, b, h, d]
+        lse = lse.contiguous()  # [b, h, n]
+
+        ctx.save_for_backward(q_team, kv_init, out, lse)
+        ctx.groups, ctx.causal, ctx.scale, ctx.rotation, ctx.bwd_stats = groups, causal, scale, rotation, bwd_stats
+        ctx.kernel = kernel
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q_team, kv_init, out, lse = ctx.saved_tensors
+        groups, causal, scale, kernel = ctx.groups, ctx.causal, ctx.scale, ctx.kernel
+        topo, pos = groups.topology, groups.startrail_rank
+        c, team = topo.team_size, topo.team_of(pos)
+        comm = Communicator(ctx.bwd_stats, groups.startrail_group, groups.startrail_global_ranks)
+        dtype, acc_dtype = q_team.dtype, _acc_dtype(q_team.dtype)
+
+        # 1. team all-gather of the query-side inputs of the block backward
+        dout = dout.contiguous()
+        do_out = comm.all_gather(torch.stack([dout, out], dim=1), groups.team_group, c, op="team_all_gather")
+        lse_team = _gather_lse(comm, groups, lse, op="team_all_gather")  # [b, h, C*n]
+        q_side = torch.cat([q_team.unsqueeze(1), do_out], dim=1)  # [C*n, 3 (q, dO, out), b, h, d]
+        own_kv_chunks = _team_chunks(groups, topo.kv_team_at_step(pos, 0))
+
+        def grads(qs, lse_rows, kv, q_chunks, kv_chunks, dq, dkv):
+            blocks.backward_step(kernel, qs[:, 0], qs[:, 1], qs[:, 2], lse_rows, kv, q_chunks, kv_chunks,
+                                 dq, dkv, causal=causal, scale=scale)
+
+        # 2. the sub-ring, one side fixed, the other circulating with its gradients
+        if ctx.rotation == "q":
+            dkv_init = kv_init.new_zeros(kv_init.shape, dtype=acc_dtype)
+
+            def step_q(step, payload):
+                qs, lse_rows = payload
+                dq = qs.new_zeros(qs[:, 0].shape, dtype=acc_dtype)
+                q_chunks = _team_chunks(groups, topo.query_team_at_step(pos, step))
+                grads(qs, lse_rows, kv_init, q_chunks, own_kv_chunks, dq, dkv_init)
+                return [dq]
+
+            (dq_team,) = rotate(comm, topo, pos, [q_side, lse_team], step_q, op="sub_ring", accumulate=True)
+        else:
+            dq_team = q_team.new_zeros(q_team.shape, dtype=acc_dtype)
+            q_chunks = _team_chunks(groups, team)
+
+            def step_kv(step, payload):
+                dkv = payload[0].new_zeros(payload[0].shape, dtype=acc_dtype)
+                kv_chunks = _team_chunks(groups, topo.kv_team_at_step(pos, step))
+                grads(q_side, lse_team, payload[0], q_chunks, kv_chunks, dq_team, dkv)
+                return [dkv]
+
+            (dkv_init,) = rotate(comm, topo, pos, [kv_init], step_kv, op="sub_ring", accumulate=True)
+
+        # 3. dK, dV go back along the reverse of the initial send
+        dst, src = topo.init_send_dst(pos), topo.init_send_src(pos)
+        dkv_team = dkv_init
+        if dst != pos:
+            dkv_team = torch.empty_like(dkv_init)
+            comm.post([(dkv_init, src)], [(dkv_team, dst)], op="init_send_reverse").wait()
+
+        # 4. team reduce-scatter (float32): every member keeps its own rows
+        dq = comm.reduce_scatter(dq_team, groups.team_group, c, op="team_reduce_scatter")
+        dkv = comm.reduce_scatter(dkv_team, groups.team_group, c, op="team_reduce_scatter")
+        return dq.to(dtype), dkv[:, 0].to(dtype), dkv[:, 1].to(dtype), None, None, None, None, None, None
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: StarTrailGroups) -> None:
+    """Raise ValueError (naming the setting to change) before any communication."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be [s_local, batch, heads, head_dim], got shape {tuple(t.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype {q.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must agree in [s_local, batch, kv_heads], got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise ValueError(
+            f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in s_local, batch and head_dim"
+        )
+    s_local, heads, kv_heads = q.shape[0], q.shape[2], k.shape[2]
+    cp = groups.cp_size
+    if s_local % 2 != 0:
+        raise ValueError(
+            f"the sequence must be divisible by 2 * context-parallel size = {2 * cp} (each CP rank holds "
+            f"two chunks), but a rank holds {s_local} tokens: change --seq-length"
+        )
+    if kv_heads == 0 or heads % kv_heads != 0:
+        raise ValueError(f"query heads ({heads}) must be a multiple of kv heads ({kv_heads})")
+    u = groups.ulysses_size
+    if u > 1:
+        if heads % u != 0:
+            raise ValueError(
+                f"attention heads on this rank ({heads}, after tensor parallelism) must be divisible by "
+                f"the Ulysses degree {u}: change --ulysses-degree-in-cp (ulysses_size)"
+            )
+        if kv_heads % u != 0 and u % kv_heads != 0:
+            raise ValueError(
+                f"kv heads / query groups on this rank ({kv_heads}) must divide or be divisible by the "
+                f"Ulysses degree {u}: change --ulysses-degree-in-cp (ulysses_size)"
+            )
+
+
+def startrail_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    groups: StarTrailGroups,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """Exact softmax attention over the whole context-parallel group.
+
+    ``q [s_local, b, heads, dim]``, ``k``/``v`` ``[s_local, b, kv_heads, dim]`` in
+    Megatron's CP layout (CP rank ``r`` holds chunks ``r`` and ``2*CP-1-r``); returns
+    ``[s_local, b, heads, dim]``. GQA/MQA: ``kv_heads`` divides ``heads`` and K/V are
+    never replicated to the query heads inside the ring.
+    """
+    check_inputs(q, k, v, groups)
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    fwd_stats, bwd_stats = CommStats(), CommStats()
+    groups.last_forward_stats, groups.last_backward_stats = fwd_stats, bwd_stats
+    rotation = groups.backward_rotation
+    if rotation == "auto":
+        shape = AttentionShape(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], q.element_size())
+        rotation = choose_backward_rotation(shape, groups.ulysses_size, groups.team_size)
+
+    if groups.ulysses_size > 1:
+        q, k, v = gather_sequence(q, k, v, groups, fwd_stats, bwd_stats)
+    out = _StarTrailAttention.apply(q, k, v, groups, causal, scale, rotation, fwd_stats, bwd_stats)
+    if groups.ulysses_size > 1:
+        out = scatter_sequence(out, groups, fwd_stats, bwd_stats)
+    return out

@@ -1,0 +1,145 @@
+"""Communication on explicit process groups, with byte accounting.
+
+Every collective and point-to-point transfer of the attention goes through
+:class:`Communicator`, which records what this rank sent and received in a
+:class:`CommStats`. Collective bytes are the *logical* per-rank volume of a
+bandwidth-optimal algorithm, the quantity of the paper's eq. 2 (for a group of ``n``
+ranks: all-gather of ``N`` bytes per rank moves ``(n-1) N``; reduce-scatter and
+all-to-all of ``N`` bytes per rank move ``(n-1)/n N``). P2P bytes are exact tensor sizes.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+# torch >= 2.9 names these *_single; keep working on older releases.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class CommStats:
+    """Bytes and steps of one forward or one backward of the attention, on one rank."""
+
+    p2p_bytes_sent: int = 0
+    p2p_bytes_recv: int = 0
+    collective_bytes_sent: int = 0
+    collective_bytes_recv: int = 0
+    # Sequential P2P rounds: transfers that wait on the previous round.
+    p2p_steps: int = 0
+    # Per destination/source *global* rank (for counting what crosses node boundaries).
+    p2p_bytes_sent_to: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    p2p_bytes_recv_from: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    # Bytes sent per operation name ("team_all_gather", "init_send", "sub_ring", ...).
+    bytes_sent_by_op: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def as_dict(self) -> dict:
+        return {
+            "p2p_bytes_sent": self.p2p_bytes_sent,
+            "p2p_bytes_recv": self.p2p_bytes_recv,
+            "collective_bytes_sent": self.collective_bytes_sent,
+            "collective_bytes_recv": self.collective_bytes_recv,
+            "p2p_steps": self.p2p_steps,
+            "p2p_bytes_sent_to": dict(self.p2p_bytes_sent_to),
+            "p2p_bytes_recv_from": dict(self.p2p_bytes_recv_from),
+            "bytes_sent_by_op": dict(self.bytes_sent_by_op),
+        }
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class PendingP2P:
+    """Handles of one posted batch of sends/receives; ``wait()`` completes all of them."""
+
+    def __init__(self, works: list) -> None:
+        self._works = works
+
+    def wait(self) -> None:
+        for w in self._works:
+            w.wait()
+        self._works = []
+
+
+class Communicator:
+    """Collectives on one group and P2P on another, recording into ``stats``.
+
+    ``p2p_group`` is the StarTrail group; peers are given as positions in it.
+    """
+
+    def __init__(self, stats: CommStats, p2p_group, p2p_global_ranks: tuple[int, ...]) -> None:
+        self.stats = stats
+        self.p2p_group = p2p_group
+        self.p2p_global_ranks = p2p_global_ranks
+
+    # -- point to point --------------------------------------------------------------
+    def post(
+        self,
+        sends: list[tuple[torch.Tensor, int]],
+        recvs: list[tuple[torch.Tensor, int]],
+        *,
+        op: str,
+        tag: int = 0,
+        counts_as_step: bool = True,
+    ) -> PendingP2P:
+        """Post async sends ``(tensor, dst position)`` and receives ``(buffer, src position)``.
+
+        ``counts_as_step=False`` marks a transfer that runs concurrently with another
+        chain of rounds (so it adds no sequential step of its own).
+        """
+        ops = []
+        for t, peer in sends:
+            ops.append(dist.P2POp(dist.isend, t, group=self.p2p_group, group_peer=peer, tag=tag))
+            nbytes = _nbytes(t)
+            self.stats.p2p_bytes_sent += nbytes
+            self.stats.p2p_bytes_sent_to[self.p2p_global_ranks[peer]] += nbytes
+            self.stats.bytes_sent_by_op[op] += nbytes
+        for t, peer in recvs:
+            ops.append(dist.P2POp(dist.irecv, t, group=self.p2p_group, group_peer=peer, tag=tag))
+            nbytes = _nbytes(t)
+            self.stats.p2p_bytes_recv += nbytes
+            self.stats.p2p_bytes_recv_from[self.p2p_global_ranks[peer]] += nbytes
+        if ops and counts_as_step:
+            self.stats.p2p_steps += 1
+        return PendingP2P(dist.batch_isend_irecv(ops) if ops else [])
+
+    # -- collectives -----------------------------------------------------------------
+    def _count_collective(self, op: str, moved: int) -> None:
+        self.stats.collective_bytes_sent += moved
+        self.stats.collective_bytes_recv += moved
+        self.stats.bytes_sent_by_op[op] += moved
+
+    def all_gather(self, x: torch.Tensor, group, group_size: int, *, op: str) -> torch.Tensor:
+        """``[n, ...]`` on each rank -> ``[group_size * n, ...]``, concatenated in rank order."""
+        if group_size == 1:
+            return x
+        x = x.contiguous()
+        out = x.new_empty((group_size * x.shape[0],) + tuple(x.shape[1:]))
+        _all_gather(out, x, group=group)
+        self._count_collective(op, (group_size - 1) * _nbytes(x))
+        return out
+
+    def reduce_scatter(self, x: torch.Tensor, group, group_size: int, *, op: str) -> torch.Tensor:
+        """Sum of ``[group_size * n, ...]`` over the group; this rank keeps its ``[n, ...]`` slice."""
+        if group_size == 1:
+            return x
+        x = x.contiguous()
+        out = x.new_empty((x.shape[0] // group_size,) + tuple(x.shape[1:]))
+        _reduce_scatter(out, x, group=group)
+        self._count_collective(op, (group_size - 1) * _nbytes(out))
+        return out
+
+    def all_to_all(self, x: torch.Tensor, group, group_size: int, *, op: str) -> torch.Tensor:
+        """``[group_size, ...]``: slice ``i`` goes to rank ``i``; returns slices by source."""
+        if group_size == 1:
+            return x
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=group)
+        self._count_collective(op, (group_size - 1) * _nbytes(x) // group_size)
+        return out

@@ -1,0 +1,69 @@
+"""Pure-PyTorch block kernel: readable math, any device and dtype (float64 included).
+
+Slow (materializes the ``[sq, sk]`` score matrix) but obviously right; used as the
+reference in tests and as the fallback when no fused kernel is available.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    # [b, hkv, s, d] -> [b, h, s, d]: query head i uses kv head i // (h // hkv).
+    return x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def _sum_kv_groups(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    # [b, h, s, d] -> [b, hkv, s, d]: the adjoint of _expand_kv.
+    b, h, s, d = x.shape
+    return x.view(b, kv_heads, h // kv_heads, s, d).sum(dim=2)
+
+
+def _causal_mask(sq: int, sk: int, device) -> torch.Tensor:
+    # True where key j is visible to query i (top-left aligned).
+    return torch.ones(sq, sk, dtype=torch.bool, device=device).tril()
+
+
+class ReferenceKernel:
+    name = "reference"
+
+    def forward(self, q, k, v, *, causal, scale):
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        qa, ka, va = q.to(acc), _expand_kv(k, q.shape[1]).to(acc), _expand_kv(v, q.shape[1]).to(acc)
+        # 1. scores S = scale * Q K^T                                  [b, h, sq, sk]
+        scores = torch.matmul(qa, ka.transpose(-1, -2)) * scale
+        if causal:
+            scores = scores.masked_fill(~_causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
+        # 2. lse = log sum_j exp(S_ij)                                  [b, h, sq]
+        lse = torch.logsumexp(scores, dim=-1)
+        # 3. P = exp(S - lse) (rows with no visible key get P = 0), O = P V
+        probs = torch.exp(scores - lse.masked_fill(lse.isneginf(), 0).unsqueeze(-1))
+        out = torch.matmul(probs, va)
+        return out.to(q.dtype), lse
+
+    def backward(self, dout, q, k, v, out, lse, *, causal, scale):
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        heads, kv_heads = q.shape[1], k.shape[1]
+        qa, ka, va = q.to(acc), _expand_kv(k, heads).to(acc), _expand_kv(v, heads).to(acc)
+        doa, oa, lsea = dout.to(acc), out.to(acc), lse.to(acc)
+        # 1. recompute P from the final lse                             [b, h, sq, sk]
+        scores = torch.matmul(qa, ka.transpose(-1, -2)) * scale
+        if causal:
+            scores = scores.masked_fill(~_causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
+        probs = torch.exp(scores - lsea.masked_fill(lsea.isneginf(), 0).unsqueeze(-1))
+        # 2. dV = P^T dO
+        dv = torch.matmul(probs.transpose(-1, -2), doa)
+        # 3. dP = dO V^T;  D_i = sum_d dO_id O_id  (= sum_j P_ij dP_ij over *all* keys)
+        dprobs = torch.matmul(doa, va.transpose(-1, -2))
+        delta = (doa * oa).sum(dim=-1, keepdim=True)
+        # 4. dS = P * (dP - D)
+        dscores = probs * (dprobs - delta)
+        # 5. dQ = scale * dS K;  dK = scale * dS^T Q
+        dq = torch.matmul(dscores, ka) * scale
+        dk = torch.matmul(dscores.transpose(-1, -2), qa) * scale
+        return (
+            dq.to(q.dtype),
+            _sum_kv_groups(dk, kv_heads).to(k.dtype),
+            _sum_kv_groups(dv, kv_heads).to(v.dtype),
+        )

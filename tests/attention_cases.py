@@ -1,0 +1,50 @@
+"""Shared pieces of the distributed attention tests: inputs, the float64 reference, errors.
+
+Every rank builds the same full-sequence tensors from a seed, takes its own chunks in
+Megatron's CP layout, and compares against float64 attention on the whole sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_startrail.layout import zigzag_chunks
+
+# Max |error| / max |reference| allowed per input dtype (the output and each gradient).
+TOLERANCE = {torch.float64: 1e-12, torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def full_inputs(seed, seq, batch, heads, kv_heads, dim, dtype):
+    """q, k, v, dout ``[seq, b, heads|kv_heads, dim]``, rounded to ``dtype``, held in float64."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(seq, batch, heads, dim), (seq, batch, kv_heads, dim), (seq, batch, kv_heads, dim), (seq, batch, heads, dim)]
+    return [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype).to(torch.float64) for s in shapes]
+
+
+def reference_attention(q, k, v, causal, scale):
+    """Plain float64 softmax attention on ``[s, b, h, d]`` (GQA by head groups)."""
+    heads, kv_heads = q.shape[2], k.shape[2]
+    k = k.repeat_interleave(heads // kv_heads, dim=2)
+    v = v.repeat_interleave(heads // kv_heads, dim=2)
+    scores = torch.einsum("sbhd,tbhd->bhst", q, k) * scale
+    if causal:
+        s = q.shape[0]
+        scores = scores.masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf"))
+    return torch.einsum("bhst,tbhd->sbhd", torch.softmax(scores, dim=-1), v)
+
+
+def reference_with_grads(q, k, v, dout, causal, scale):
+    q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
+    out = reference_attention(q, k, v, causal, scale)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def local_rows(x, cp_rank, cp_size):
+    """This CP rank's chunks of a ``[seq, ...]`` tensor, in Megatron's layout."""
+    chunk = x.shape[0] // (2 * cp_size)
+    return torch.cat([x[c * chunk : (c + 1) * chunk] for c in zigzag_chunks(cp_rank, cp_size)])
+
+
+def relative_error(got, want):
+    return ((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()

@@ -1,0 +1,122 @@
+"""StarTrail attention on gloo ranks against float64 full attention, plus exact comm counts.
+
+One forked world per CP size P; inside it every valid (U, C), causal or not, MHA / GQA /
+MQA and every input dtype runs, and each rank asserts its output and gradients and its
+communication counters (against the closed forms in ``megatron_startrail.accounting``).
+"""
+
+import itertools
+
+import pytest
+import torch
+
+from megatron_startrail import new_startrail_groups, startrail_attn, valid_team_sizes
+from megatron_startrail.accounting import AttentionShape, expected_comm
+from tests.attention_cases import (
+    TOLERANCE,
+    full_inputs,
+    local_rows,
+    reference_with_grads,
+    relative_error,
+)
+from tests.multiproc import run_ranks
+
+BATCH, HEADS, DIM, CHUNK = 2, 4, 8, 3
+HEAD_LAYOUTS = {"mha": 4, "gqa": 2, "mqa": 1}
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+STAT_FIELDS = ["p2p_bytes_sent", "p2p_bytes_recv", "collective_bytes_sent", "collective_bytes_recv", "p2p_steps"]
+
+
+def group_settings(cp_size):
+    """Every (ulysses_size, team_size) valid for a CP group of ``cp_size``."""
+    for u in (1, 2):
+        if cp_size % u == 0:
+            for c in valid_team_sizes(cp_size // u):
+                yield u, c
+
+
+def run_case(groups, rank, cp_size, causal, kv_heads, dtype, seed):
+    """Run one case on this rank; return (errors by tensor, stats, outputs)."""
+    seq = 2 * cp_size * CHUNK
+    full = full_inputs(seed, seq, BATCH, HEADS, kv_heads, DIM, dtype)
+    scale = DIM**-0.5
+    ref = reference_with_grads(*full, causal, scale)
+    q, k, v, dout = (local_rows(t, rank, cp_size).to(dtype) for t in full)
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    out = startrail_attn(q, k, v, groups, causal=causal, softmax_scale=scale)
+    out.backward(dout)
+    got = (out.detach(), q.grad, k.grad, v.grad)
+    errors = {
+        name: relative_error(g, local_rows(r, rank, cp_size))
+        for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref)
+    }
+    stats = {"forward": groups.last_forward_stats, "backward": groups.last_backward_stats}
+    return errors, stats, got
+
+
+def worker(rank, world_size):
+    # Poison: every torch.empty is NaN-filled, so any row left unwritten shows up.
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    failures, checked = [], 0
+    for u, c in group_settings(world_size):
+        groups = new_startrail_groups(team_size=c, ulysses_size=u)
+        for causal, (layout, kv_heads), dtype in itertools.product(
+            (True, False), HEAD_LAYOUTS.items(), DTYPES
+        ):
+            case = f"U={u} C={c} causal={causal} {layout} {dtype}"
+            seed = 1000 + 10 * c + u
+            errors, stats, _ = run_case(groups, rank, world_size, causal, kv_heads, dtype, seed)
+            for name, err in errors.items():
+                if not err <= TOLERANCE[dtype]:  # also catches NaN
+                    failures.append(f"{case}: {name} error {err:.3g} > {TOLERANCE[dtype]:.0e}")
+            shape = AttentionShape(2 * CHUNK, BATCH, HEADS, kv_heads, DIM, torch.empty((), dtype=dtype).element_size())
+            want = expected_comm(
+                shape, cp_size=world_size, team_size=c, ulysses_size=u,
+                startrail_rank=groups.startrail_rank, rotation=groups.backward_rotation,
+            )
+            for phase in ("forward", "backward"):
+                measured = {f: getattr(stats[phase], f) for f in STAT_FIELDS}
+                if measured != want[phase]:
+                    failures.append(f"{case}: {phase} comm {measured} != closed form {want[phase]}")
+            checked += 1
+    return failures, checked
+
+
+@pytest.mark.parametrize("cp_size", [1, 2, 4, 8, 16])
+def test_matches_float64_full_attention_and_closed_form_comm(cp_size):
+    results = run_ranks(worker, cp_size, timeout=600)
+    failures = sorted({f for fails, _ in results for f in fails})
+    assert not failures, "\n".join(failures[:40])
+    expected_cases = len(list(group_settings(cp_size))) * 2 * len(HEAD_LAYOUTS) * len(DTYPES)
+    assert all(n == expected_cases for _, n in results)
+
+
+def rotation_worker(rank, world_size, team_size):
+    """Both backward rotations give the same (correct) gradients; GQA picks "kv"."""
+    out = {}
+    for rotation in ("q", "kv", "auto"):
+        groups = new_startrail_groups(team_size=team_size, backward_rotation=rotation)
+        errors, stats, _ = run_case(groups, rank, world_size, True, 1, torch.float32, 7)
+        out[rotation] = (errors, stats["backward"].p2p_bytes_sent)
+    return out
+
+
+def test_both_backward_rotations_are_exact_and_auto_picks_the_cheaper():
+    results = run_ranks(rotation_worker, 8, args=(2,))
+    for per_rank in results:
+        for rotation, (errors, _) in per_rank.items():
+            assert max(errors.values()) <= TOLERANCE[torch.float32], (rotation, errors)
+        # MQA: circulating K, V is cheaper than circulating Q, dO, out, lse, dQ.
+        assert per_rank["kv"][1] < per_rank["q"][1]
+        assert per_rank["auto"][1] == per_rank["kv"][1]
+
+
+def determinism_worker(rank, world_size):
+    groups = new_startrail_groups(team_size=2)
+    runs = [run_case(groups, rank, world_size, True, 2, torch.float32, 3)[2] for _ in range(2)]
+    return all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_two_runs_are_bitwise_equal():
+    assert all(run_ranks(determinism_worker, 8))
