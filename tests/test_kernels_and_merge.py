@@ -1,0 +1,125 @@
+"""Block kernels against float64 attention, the lse merge's edge cases, causal plans."""
+
+import pytest
+import torch
+
+from megatron_startrail.blocks import merge_lse_, merge_partials
+from megatron_startrail.kernels import ReferenceKernel, TorchCPUFlashKernel, select_kernel
+from megatron_startrail.layout import plan_blocks, startrail_position_chunks, zigzag_chunks
+from tests.attention_cases import TOLERANCE, reference_with_grads, relative_error
+
+KERNELS = [ReferenceKernel(), TorchCPUFlashKernel()]
+
+
+def _bhsd(x):
+    return x.permute(1, 2, 0, 3)
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+@pytest.mark.parametrize("causal", [True, False])
+def test_block_kernel_forward_backward(kernel, dtype, kv_heads, causal):
+    gen = torch.Generator().manual_seed(5)
+    s, b, h, d = 12, 2, 4, 8
+    q, k, v, dout = (
+        torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+        for shape in [(s, b, h, d), (s, b, kv_heads, d), (s, b, kv_heads, d), (s, b, h, d)]
+    )
+    scale = d**-0.5
+    ref_out, ref_dq, ref_dk, ref_dv = reference_with_grads(
+        *(t.double() for t in (q, k, v, dout)), causal, scale
+    )
+    # Kernels take [b, h, s, d] views of sequence-first tensors, as the schedule passes them.
+    out, lse = kernel.forward(_bhsd(q), _bhsd(k), _bhsd(v), causal=causal, scale=scale)
+    assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (b, h, s)
+    dq, dk, dv = kernel.backward(_bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), out, lse, causal=causal, scale=scale)
+    tol = TOLERANCE[dtype]
+    assert relative_error(out.permute(2, 0, 1, 3), ref_out) <= tol
+    for got, want in ((dq, ref_dq), (dk, ref_dk), (dv, ref_dv)):
+        assert got.shape == _bhsd(want).shape
+        assert relative_error(got.permute(2, 0, 1, 3), want) <= tol
+
+
+def test_reference_kernel_is_exact_in_float64():
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(10, 1, 2, 4, generator=gen, dtype=torch.float64) for _ in range(3))
+    out, lse = ReferenceKernel().forward(_bhsd(q), _bhsd(k), _bhsd(v), causal=True, scale=0.5)
+    want = reference_with_grads(q, k, v, torch.ones_like(q), True, 0.5)[0]
+    assert relative_error(out.permute(2, 0, 1, 3), want) <= 1e-14
+
+
+def test_block_backward_with_merged_lse_is_exact_per_block():
+    # Splitting the keys in two blocks: forward parts merged by lse, then each block's
+    # backward with the *merged* out/lse sums to the full gradients.
+    gen = torch.Generator().manual_seed(2)
+    kernel = TorchCPUFlashKernel()
+    q, k, v, dout = (torch.randn(1, 2, 16, 8, generator=gen) for _ in range(4))
+    acc_out = torch.zeros(1, 2, 16, 8)
+    acc_lse = torch.full((1, 2, 16), float("-inf"))
+    halves = [(k[:, :, :8], v[:, :, :8]), (k[:, :, 8:], v[:, :, 8:])]
+    for kh, vh in halves:
+        o, l = kernel.forward(q, kh, vh, causal=False, scale=0.3)
+        merge_lse_(acc_out, acc_lse, o, l)
+    full_out, full_lse = kernel.forward(q, k, v, causal=False, scale=0.3)
+    assert torch.allclose(acc_out, full_out, atol=1e-6) and torch.allclose(acc_lse, full_lse, atol=1e-6)
+    dq = torch.zeros_like(q)
+    dks = []
+    for kh, vh in halves:
+        gq, gk, gv = kernel.backward(dout, q, kh, vh, full_out, full_lse, causal=False, scale=0.3)
+        dq += gq
+        dks.append(gk)
+    fq, fk, _ = kernel.backward(dout, q, k, v, full_out, full_lse, causal=False, scale=0.3)
+    assert torch.allclose(dq, fq, atol=1e-5) and torch.allclose(torch.cat(dks, dim=2), fk, atol=1e-5)
+
+
+def test_merge_gives_rows_without_keys_zero_weight_not_nan():
+    acc_out = torch.zeros(1, 1, 3, 2)
+    acc_lse = torch.full((1, 1, 3), float("-inf"))
+    out = torch.tensor([[[[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]]])
+    lse = torch.tensor([[[0.5, float("-inf"), 1.0]]])  # row 1 saw no key in this block
+    merge_lse_(acc_out, acc_lse, out, lse)
+    assert not acc_out.isnan().any()
+    assert acc_lse[0, 0, 1].item() == float("-inf") and acc_out[0, 0, 1].abs().sum() == 0
+    # Team merge: member 0 saw nothing for row 0, member 1 everything; a row nobody saw -> 0.
+    outs = torch.stack([torch.full((1, 1, 2, 2), 7.0), torch.full((1, 1, 2, 2), 3.0)])
+    lses = torch.tensor([[[[float("-inf"), float("-inf")]]], [[[0.0, float("-inf")]]]])
+    merged, merged_lse = merge_partials(outs, lses)
+    assert not merged.isnan().any()
+    assert merged[0, 0, 0].tolist() == [3.0, 3.0] and merged[0, 0, 1].tolist() == [0.0, 0.0]
+    assert merged_lse[0, 0, 1].item() == float("-inf")
+
+
+def test_causal_plan_matches_the_chunk_picture():
+    # CP = 2: rank 0 holds chunks (0, 3), rank 1 holds (1, 2).
+    assert zigzag_chunks(0, 2) == (0, 3) and zigzag_chunks(1, 2) == (1, 2)
+    plans = plan_blocks((0, 3), (1, 2), causal=True)
+    # query chunk 0 sees nothing of (1, 2); query chunk 3 sees both fully.
+    assert [(p.query_slot, p.full, p.diagonal) for p in plans] == [(1, (0, 1), None)]
+    plans = plan_blocks((1, 2), (0, 3), causal=True)
+    assert [(p.query_slot, p.full, p.diagonal) for p in plans] == [(0, (0,), None), (1, (0,), None)]
+    plans = plan_blocks((0, 3), (0, 3), causal=True)
+    assert [(p.query_slot, p.full, p.diagonal) for p in plans] == [(0, (), 0), (1, (0,), 1)]
+    # Ulysses U=2 over CP=4: StarTrail position 1 holds CP ranks 2 and 3's chunks.
+    assert startrail_position_chunks(1, 2, 4) == (2, 5, 3, 4)
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8, 16])
+def test_zigzag_pairs_balance_causal_work(cp):
+    # Every (query pair, key pair) holds exactly two chunk-blocks of unmasked work
+    # (a diagonal block counts as half).
+    for x in range(cp):
+        for y in range(cp):
+            work = 0.0
+            for p in plan_blocks(zigzag_chunks(x, cp), zigzag_chunks(y, cp), causal=True):
+                work += len(p.full) + (0.5 if p.diagonal is not None else 0)
+            assert work == 2.0
+
+
+def test_select_kernel():
+    assert select_kernel(torch.device("cpu")).name == "torch_cpu_flash"
+    assert select_kernel(torch.device("cpu"), "reference").name == "reference"
+    with pytest.raises(ValueError, match="kernel"):
+        select_kernel(torch.device("cpu"), "flash_attn")
+    with pytest.raises(ValueError, match="kernel"):
+        select_kernel(torch.device("cpu"), "nope")
