@@ -23,39 +23,69 @@ from .accounting import AttentionShape, choose_backward_rotation
 from .comm import CommStats, Communicator
 from .groups import StarTrailGroups
 from .kernels import select_kernel
-from .schedule import rotate
+from .layout import Segment, segment_rows, split_segments, whole_chunks
+from .schedule import Lane, rotate
+from .transfer import TRANSFERS, sub_ring_lanes
 from .ulysses import gather_sequence, scatter_sequence
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-def _team_chunks(groups: StarTrailGroups, team: int) -> tuple[int, ...]:
-    """Global chunk indices of a team's gathered sequence (members in order)."""
-    return tuple(c for pos in groups.topology.team_positions(team) for c in groups.position_chunks(pos))
+def _team_segments(groups: StarTrailGroups, team: int, chunk_len: int) -> tuple[Segment, ...]:
+    """The rows of a team's gathered sequence as segments of global chunks (members in order)."""
+    chunks = tuple(c for pos in groups.topology.team_positions(team) for c in groups.position_chunks(pos))
+    return whole_chunks(chunks, chunk_len)
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _gather_lse(comm: Communicator, groups: StarTrailGroups, lse: torch.Tensor, op: str) -> torch.Tensor:
-    # [b, h, n] -> [b, h, C*n]: gather along the sequence, which must lead for the collective.
-    c = groups.team_size
-    gathered = comm.all_gather(lse.permute(2, 0, 1), groups.team_group, c, op=op)
-    return gathered.permute(1, 2, 0).contiguous()
+class _Rotation:
+    """What circulates in the sub-ring phase, split over the lanes of the transfer.
+
+    ``segments_of(origin)`` gives the rows (as segments) of the payload that position
+    ``origin`` holds at step 0; lane ``k`` carries part ``k`` of every such payload.
+    """
+
+    def __init__(self, lanes: list[Lane], chunk_len: int, segments_of) -> None:
+        # More lanes than tokens per chunk would leave parts empty: use fewer lanes.
+        self.lanes = lanes[: max(1, min(len(lanes), chunk_len))]
+        self._segments_of = segments_of
+
+    def part_segments(self, origin: int, lane: int) -> tuple[Segment, ...]:
+        return split_segments(self._segments_of(origin), len(self.lanes))[lane]
+
+    def part_rows(self, origin: int) -> list[tuple[tuple[int, int], ...]]:
+        whole = self._segments_of(origin)
+        return [tuple(segment_rows(p, whole)) for p in split_segments(whole, len(self.lanes))]
+
+    def split(self, position: int, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """Per lane, the part of each ``[rows, ...]`` tensor it carries (views for one lane)."""
+        return [[blocks.take_rows(t, rows) for t in tensors] for rows in self.part_rows(position)]
+
+    def join(self, position: int, parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+        """Inverse of :meth:`split` for one tensor per lane."""
+        if len(parts) == 1:
+            return parts[0]
+        out = torch.zeros_like(like)
+        for part, rows in zip(parts, self.part_rows(position)):
+            blocks.add_rows(out, part, rows)
+        return out
 
 
 class _StarTrailAttention(torch.autograd.Function):
     """Exact attention over the StarTrail group, on post-Ulysses local tensors."""
 
     @staticmethod
-    def forward(ctx, q, k, v, groups: StarTrailGroups, causal, scale, rotation, fwd_stats, bwd_stats):
+    def forward(ctx, q, k, v, groups: StarTrailGroups, causal, scale, rotation, transfer, fwd_stats, bwd_stats):
         # q [n, b, h, d], k/v [n, b, hkv, d]; n = len(my chunks) * L
         topo, pos = groups.topology, groups.startrail_rank
-        c, member, team = topo.team_size, topo.member_of(pos), topo.team_of(pos)
+        c, team = topo.team_size, topo.team_of(pos)
         kernel = select_kernel(q.device, groups.kernel)
         comm = Communicator(fwd_stats, groups.startrail_group, groups.startrail_global_ranks)
         n = q.shape[0]
+        chunk_len = n // len(groups.position_chunks(pos))
 
         # 1. team all-gather                       [C*n, b, h, d], [C*n, 2, b, hkv, d]
         q_team = comm.all_gather(q, groups.team_group, c, op="team_all_gather")
@@ -73,14 +103,19 @@ class _StarTrailAttention(torch.autograd.Function):
         acc_dtype = _acc_dtype(q.dtype)
         acc_out = q.new_zeros((b, h, c * n, d), dtype=acc_dtype)
         acc_lse = q.new_full((b, h, c * n), float("-inf"), dtype=acc_dtype)
-        q_chunks = _team_chunks(groups, team)
+        q_segments = _team_segments(groups, team, chunk_len)
+        kv_rot = _Rotation(
+            sub_ring_lanes(topo, pos, transfer), chunk_len,
+            lambda origin: _team_segments(groups, topo.kv_team_at_step(origin, 0), chunk_len),
+        )
 
-        def attend(step, payload):
-            kv_chunks = _team_chunks(groups, topo.kv_team_at_step(pos, step))
-            blocks.forward_step(kernel, q_team, payload[0], q_chunks, kv_chunks, acc_out, acc_lse,
-                                causal=causal, scale=scale)
+        def attend(step, payloads):
+            for lane_index, (lane, (kv,)) in enumerate(zip(kv_rot.lanes, payloads)):
+                k_segments = kv_rot.part_segments(lane.origin(pos, step), lane_index)
+                blocks.forward_step(kernel, q_team, kv, q_segments, k_segments, acc_out, acc_lse,
+                                    causal=causal, scale=scale)
 
-        rotate(comm, topo, pos, [kv_init], attend, op="sub_ring")
+        rotate(comm, kv_rot.lanes, pos, kv_rot.split(pos, [kv_init]), attend, op="sub_ring")
 
         # 4. team merge: member m keeps rows [m*n, (m+1)*n) of the team's queries
         if c == 1:
@@ -93,11 +128,11 @@ class _StarTrailAttention(torch.autograd.Function):
             part_lse = comm.all_to_all(part_lse, groups.team_group, c, op="team_merge")
             out, lse = blocks.merge_partials(parts, part_lse)
         out = out.permute(2, 0, 1, 3).to(q.dtype).contiguous()  # [n, b, h, d]
-        lse = lse.contiguous()  # [b, h, n]
+        lse = lse.permute(2, 0, 1).contiguous()  # [n, b, h]: sequence first, for the gather
 
         ctx.save_for_backward(q_team, kv_init, out, lse)
-        ctx.groups, ctx.causal, ctx.scale, ctx.rotation, ctx.bwd_stats = groups, causal, scale, rotation, bwd_stats
-        ctx.kernel = kernel
+        ctx.groups, ctx.causal, ctx.scale, ctx.kernel = groups, causal, scale, kernel
+        ctx.rotation, ctx.transfer, ctx.bwd_stats = rotation, transfer, bwd_stats
         return out
 
     @staticmethod
@@ -108,41 +143,55 @@ class _StarTrailAttention(torch.autograd.Function):
         c, team = topo.team_size, topo.team_of(pos)
         comm = Communicator(ctx.bwd_stats, groups.startrail_group, groups.startrail_global_ranks)
         dtype, acc_dtype = q_team.dtype, _acc_dtype(q_team.dtype)
+        chunk_len = out.shape[0] // len(groups.position_chunks(pos))
+        lanes = sub_ring_lanes(topo, pos, ctx.transfer)
 
         # 1. team all-gather of the query-side inputs of the block backward
-        dout = dout.contiguous()
         do_out = comm.all_gather(torch.stack([dout, out], dim=1), groups.team_group, c, op="team_all_gather")
-        lse_team = _gather_lse(comm, groups, lse, op="team_all_gather")  # [b, h, C*n]
+        lse_team = comm.all_gather(lse, groups.team_group, c, op="team_all_gather")  # [C*n, b, h]
         q_side = torch.cat([q_team.unsqueeze(1), do_out], dim=1)  # [C*n, 3 (q, dO, out), b, h, d]
-        own_kv_chunks = _team_chunks(groups, topo.kv_team_at_step(pos, 0))
+        own_q_segments = _team_segments(groups, team, chunk_len)
+        own_kv_segments = _team_segments(groups, topo.kv_team_at_step(pos, 0), chunk_len)
 
-        def grads(qs, lse_rows, kv, q_chunks, kv_chunks, dq, dkv):
-            blocks.backward_step(kernel, qs[:, 0], qs[:, 1], qs[:, 2], lse_rows, kv, q_chunks, kv_chunks,
+        def grads(qs, lse_rows, kv, q_segments, kv_segments, dq, dkv):
+            blocks.backward_step(kernel, qs[:, 0], qs[:, 1], qs[:, 2], lse_rows, kv, q_segments, kv_segments,
                                  dq, dkv, causal=causal, scale=scale)
 
         # 2. the sub-ring, one side fixed, the other circulating with its gradients
         if ctx.rotation == "q":
             dkv_init = kv_init.new_zeros(kv_init.shape, dtype=acc_dtype)
+            q_rot = _Rotation(lanes, chunk_len, lambda origin: _team_segments(groups, topo.team_of(origin), chunk_len))
 
-            def step_q(step, payload):
-                qs, lse_rows = payload
-                dq = qs.new_zeros(qs[:, 0].shape, dtype=acc_dtype)
-                q_chunks = _team_chunks(groups, topo.query_team_at_step(pos, step))
-                grads(qs, lse_rows, kv_init, q_chunks, own_kv_chunks, dq, dkv_init)
-                return [dq]
+            def step_q(step, payloads):
+                contrib = []
+                for lane_index, (lane, (qs, lse_rows)) in enumerate(zip(q_rot.lanes, payloads)):
+                    dq = qs.new_zeros(qs[:, 0].shape, dtype=acc_dtype)
+                    q_segments = q_rot.part_segments(lane.origin(pos, step), lane_index)
+                    grads(qs, lse_rows, kv_init, q_segments, own_kv_segments, dq, dkv_init)
+                    contrib.append([dq])
+                return contrib
 
-            (dq_team,) = rotate(comm, topo, pos, [q_side, lse_team], step_q, op="sub_ring", accumulate=True)
+            home = rotate(comm, q_rot.lanes, pos, q_rot.split(pos, [q_side, lse_team]), step_q,
+                          op="sub_ring", accumulate=True)
+            dq_team = q_rot.join(pos, [lane_acc[0] for lane_acc in home], q_team.to(acc_dtype))
         else:
             dq_team = q_team.new_zeros(q_team.shape, dtype=acc_dtype)
-            q_chunks = _team_chunks(groups, team)
+            kv_rot = _Rotation(
+                lanes, chunk_len, lambda origin: _team_segments(groups, topo.kv_team_at_step(origin, 0), chunk_len)
+            )
 
-            def step_kv(step, payload):
-                dkv = payload[0].new_zeros(payload[0].shape, dtype=acc_dtype)
-                kv_chunks = _team_chunks(groups, topo.kv_team_at_step(pos, step))
-                grads(q_side, lse_team, payload[0], q_chunks, kv_chunks, dq_team, dkv)
-                return [dkv]
+            def step_kv(step, payloads):
+                contrib = []
+                for lane_index, (lane, (kv,)) in enumerate(zip(kv_rot.lanes, payloads)):
+                    dkv = kv.new_zeros(kv.shape, dtype=acc_dtype)
+                    kv_segments = kv_rot.part_segments(lane.origin(pos, step), lane_index)
+                    grads(q_side, lse_team, kv, own_q_segments, kv_segments, dq_team, dkv)
+                    contrib.append([dkv])
+                return contrib
 
-            (dkv_init,) = rotate(comm, topo, pos, [kv_init], step_kv, op="sub_ring", accumulate=True)
+            home = rotate(comm, kv_rot.lanes, pos, kv_rot.split(pos, [kv_init]), step_kv,
+                          op="sub_ring", accumulate=True)
+            dkv_init = kv_rot.join(pos, [lane_acc[0] for lane_acc in home], kv_init.to(acc_dtype))
 
         # 3. dK, dV go back along the reverse of the initial send
         dst, src = topo.init_send_dst(pos), topo.init_send_src(pos)
@@ -154,7 +203,7 @@ class _StarTrailAttention(torch.autograd.Function):
         # 4. team reduce-scatter (float32): every member keeps its own rows
         dq = comm.reduce_scatter(dq_team, groups.team_group, c, op="team_reduce_scatter")
         dkv = comm.reduce_scatter(dkv_team, groups.team_group, c, op="team_reduce_scatter")
-        return dq.to(dtype), dkv[:, 0].to(dtype), dkv[:, 1].to(dtype), None, None, None, None, None, None
+        return dq.to(dtype), dkv[:, 0].to(dtype), dkv[:, 1].to(dtype), None, None, None, None, None, None, None
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: StarTrailGroups) -> None:
@@ -205,6 +254,7 @@ def startrail_attn(
     *,
     causal: bool = True,
     softmax_scale: float | None = None,
+    transfer: str = "ring",
 ) -> torch.Tensor:
     """Exact softmax attention over the whole context-parallel group.
 
@@ -212,7 +262,13 @@ def startrail_attn(
     Megatron's CP layout (CP rank ``r`` holds chunks ``r`` and ``2*CP-1-r``); returns
     ``[s_local, b, heads, dim]``. GQA/MQA: ``kv_heads`` divides ``heads`` and K/V are
     never replicated to the query heads inside the ring.
+
+    ``transfer="multiring"`` spreads each sub-ring transfer over the ``G - 1``
+    arc-disjoint Hamiltonian cycles of the sub-ring's ranks (TASP), for sub-rings inside
+    a fully connected node; ``"ring"`` is StarTrail's single sub-ring.
     """
+    if transfer not in TRANSFERS:
+        raise ValueError(f"transfer={transfer!r} is not one of {TRANSFERS}")
     check_inputs(q, k, v, groups)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     fwd_stats, bwd_stats = CommStats(), CommStats()
@@ -224,7 +280,7 @@ def startrail_attn(
 
     if groups.ulysses_size > 1:
         q, k, v = gather_sequence(q, k, v, groups, fwd_stats, bwd_stats)
-    out = _StarTrailAttention.apply(q, k, v, groups, causal, scale, rotation, fwd_stats, bwd_stats)
+    out = _StarTrailAttention.apply(q, k, v, groups, causal, scale, rotation, transfer, fwd_stats, bwd_stats)
     if groups.ulysses_size > 1:
         out = scatter_sequence(out, groups, fwd_stats, bwd_stats)
     return out

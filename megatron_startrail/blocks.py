@@ -1,10 +1,10 @@
 """Block work of one sub-ring step: kernel calls over chunk pairs, and the lse merge.
 
-Tensors here are in Megatron's sequence-first layout, with the sequence made of equal
-chunks whose global indices are given alongside (see :mod:`megatron_startrail.layout`)::
+Tensors here are in Megatron's sequence-first layout; the rows are runs of tokens of
+global chunks, listed alongside as segments (see :mod:`megatron_startrail.layout`)::
 
-    q-side   q, dout, out  [Sq, b, h, d]      lse [b, h, Sq]   (Sq = n_q_chunks * L)
-    kv-side  kv            [Sk, 2, b, hkv, d] (K and V stacked, Sk = n_k_chunks * L)
+    q-side   q, dout, out  [Sq, b, h, d]      lse [b, h, Sq] (forward), [Sq, b, h] (backward)
+    kv-side  kv            [Sk, 2, b, hkv, d] (K and V stacked)
 
 Kernels want ``[b, h, s, d]``; :func:`_bhsd` gives that as a view.
 """
@@ -14,29 +14,12 @@ from __future__ import annotations
 import torch
 
 from .kernels import BlockKernel
-from .layout import BlockPlan, plan_blocks
+from .layout import Segment, plan_blocks
 
 
 def _bhsd(x: torch.Tensor) -> torch.Tensor:
     # [s, b, h, d] -> [b, h, s, d] (a view)
     return x.permute(1, 2, 0, 3)
-
-
-def _rows(x: torch.Tensor, slot: int, chunk: int) -> torch.Tensor:
-    return x[slot * chunk : (slot + 1) * chunk]
-
-
-def _select(kv: torch.Tensor, slots: tuple[int, ...], chunk: int) -> torch.Tensor:
-    """K/V rows of ``slots`` as one ``[len * L, 2, b, hkv, d]`` tensor (a view if contiguous)."""
-    if slots == tuple(range(slots[0], slots[0] + len(slots))):
-        return kv[slots[0] * chunk : (slots[-1] + 1) * chunk]
-    return torch.cat([_rows(kv, s, chunk) for s in slots])
-
-
-def _scatter_add(dst: torch.Tensor, src: torch.Tensor, slots: tuple[int, ...], chunk: int) -> None:
-    """Add ``src [len * L, ...]`` into the rows of ``slots`` of ``dst``."""
-    for i, s in enumerate(slots):
-        _rows(dst, s, chunk).add_(_rows(src, i, chunk))
 
 
 def merge_lse_(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
@@ -60,16 +43,27 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor
     return (outs.to(weights.dtype) * weights).sum(dim=0), lse
 
 
-def _plans(q_chunks, k_chunks, causal) -> tuple[BlockPlan, ...]:
-    return plan_blocks(tuple(q_chunks), tuple(k_chunks), causal)
+def take_rows(kv: torch.Tensor, ranges: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """Rows of ``ranges`` as one tensor (a view when there is one range)."""
+    if len(ranges) == 1:
+        return kv[ranges[0][0] : ranges[0][1]]
+    return torch.cat([kv[a:b] for a, b in ranges])
+
+
+def add_rows(dst: torch.Tensor, src: torch.Tensor, ranges: tuple[tuple[int, int], ...]) -> None:
+    """Add ``src`` (the rows of ``ranges``, concatenated) into those rows of ``dst``."""
+    pos = 0
+    for a, b in ranges:
+        dst[a:b].add_(src[pos : pos + b - a])
+        pos += b - a
 
 
 def forward_step(
     kernel: BlockKernel,
     q: torch.Tensor,
     kv: torch.Tensor,
-    q_chunks: tuple[int, ...],
-    k_chunks: tuple[int, ...],
+    q_segments: tuple[Segment, ...],
+    k_segments: tuple[Segment, ...],
     acc_out: torch.Tensor,
     acc_lse: torch.Tensor,
     *,
@@ -77,20 +71,11 @@ def forward_step(
     scale: float,
 ) -> None:
     """Attend ``q`` to ``kv`` and merge into ``acc_out [b, h, Sq, d]`` / ``acc_lse [b, h, Sq]``."""
-    if not causal:  # every query sees every key: one call
-        out, lse = kernel.forward(_bhsd(q), _bhsd(kv[:, 0]), _bhsd(kv[:, 1]), causal=False, scale=scale)
-        merge_lse_(acc_out, acc_lse, out, lse)
-        return
-    chunk = q.shape[0] // len(q_chunks)
-    for plan in _plans(q_chunks, k_chunks, causal):
-        qs = _bhsd(_rows(q, plan.query_slot, chunk))
-        rows = slice(plan.query_slot * chunk, (plan.query_slot + 1) * chunk)
-        for slots, is_diag in ((plan.full, False), ((plan.diagonal,) if plan.diagonal is not None else (), True)):
-            if not slots:
-                continue
-            kvs = _select(kv, slots, chunk)
-            out, lse = kernel.forward(qs, _bhsd(kvs[:, 0]), _bhsd(kvs[:, 1]), causal=is_diag, scale=scale)
-            merge_lse_(acc_out[:, :, rows], acc_lse[:, :, rows], out, lse)
+    for block in plan_blocks(q_segments, k_segments, causal):
+        q0, q1 = block.q_rows
+        kvs = take_rows(kv, block.k_rows)
+        out, lse = kernel.forward(_bhsd(q[q0:q1]), _bhsd(kvs[:, 0]), _bhsd(kvs[:, 1]), causal=block.causal, scale=scale)
+        merge_lse_(acc_out[:, :, q0:q1], acc_lse[:, :, q0:q1], out, lse)
 
 
 def backward_step(
@@ -98,10 +83,10 @@ def backward_step(
     q: torch.Tensor,
     dout: torch.Tensor,
     out: torch.Tensor,
-    lse: torch.Tensor,
+    lse: torch.Tensor,  # [Sq, b, h], sequence first like the other query-side tensors
     kv: torch.Tensor,
-    q_chunks: tuple[int, ...],
-    k_chunks: tuple[int, ...],
+    q_segments: tuple[Segment, ...],
+    k_segments: tuple[Segment, ...],
     dq: torch.Tensor,
     dkv: torch.Tensor,
     *,
@@ -109,27 +94,12 @@ def backward_step(
     scale: float,
 ) -> None:
     """Add this step's gradients into ``dq [Sq, b, h, d]`` and ``dkv [Sk, 2, b, hkv, d]``."""
-    if not causal:
-        g = kernel.backward(
-            _bhsd(dout), _bhsd(q), _bhsd(kv[:, 0]), _bhsd(kv[:, 1]), _bhsd(out), lse, causal=False, scale=scale
+    for block in plan_blocks(q_segments, k_segments, causal):
+        q0, q1 = block.q_rows
+        kvs = take_rows(kv, block.k_rows)
+        gq, gk, gv = kernel.backward(
+            _bhsd(dout[q0:q1]), _bhsd(q[q0:q1]), _bhsd(kvs[:, 0]), _bhsd(kvs[:, 1]), _bhsd(out[q0:q1]),
+            lse[q0:q1].permute(1, 2, 0).contiguous(), causal=block.causal, scale=scale,
         )
-        _bhsd(dq).add_(g[0])
-        _bhsd(dkv[:, 0]).add_(g[1])
-        _bhsd(dkv[:, 1]).add_(g[2])
-        return
-    chunk = q.shape[0] // len(q_chunks)
-    for plan in _plans(q_chunks, k_chunks, causal):
-        qslot = plan.query_slot
-        q_rows = [_bhsd(_rows(t, qslot, chunk)) for t in (q, dout, out)]
-        lse_rows = lse[:, :, qslot * chunk : (qslot + 1) * chunk].contiguous()
-        for slots, is_diag in ((plan.full, False), ((plan.diagonal,) if plan.diagonal is not None else (), True)):
-            if not slots:
-                continue
-            kvs = _select(kv, slots, chunk)
-            gq, gk, gv = kernel.backward(
-                q_rows[1], q_rows[0], _bhsd(kvs[:, 0]), _bhsd(kvs[:, 1]), q_rows[2], lse_rows,
-                causal=is_diag, scale=scale,
-            )
-            _bhsd(_rows(dq, qslot, chunk)).add_(gq)
-            gkv = torch.stack([gk, gv], dim=0).permute(3, 0, 1, 2, 4)  # [len*L, 2, b, hkv, d]
-            _scatter_add(dkv, gkv, slots, chunk)
+        _bhsd(dq[q0:q1]).add_(gq)
+        add_rows(dkv, torch.stack([gk, gv], dim=0).permute(3, 0, 1, 2, 4), block.k_rows)  # [Sk', 2, b, hkv, d]

@@ -1,14 +1,19 @@
 """The sub-ring rotation: one schedule for the forward and both backward variants.
 
-:func:`rotate` runs ``compute(step, payload)`` for ``step = 0 .. G-1`` while the payload
-moves one hop along the sub-ring per step (double-buffered: the next step's payload is
-in flight while this step computes). If ``compute`` returns gradient contributions for
-the payload, they travel with it as accumulators and come home after ``G`` hops::
+The payload travels over one or more *lanes*, rings through the same ``G`` positions in
+different orders. StarTrail's sub-ring is one lane; TASP's multi-ring transfer splits the
+payload in ``G - 1`` parts, one per arc-disjoint Hamiltonian cycle, so that every link
+of a fully connected node carries a part at every step.
 
-    step i on position x:  holds payload of origin x-i
+:func:`rotate` runs ``compute(step, payloads)`` for ``step = 0 .. G-1`` while every
+lane's payload moves one hop per step (double-buffered: the next step's payload is in
+flight while this step computes). If ``compute`` returns gradient contributions for the
+payloads, they travel with them as accumulators and come home after ``G`` hops::
+
+    step i on position x, per lane:  holds the payload of origin prev^i(x)
         post  send(payload -> next), recv(next payload <- prev)     [if i < G-1]
-        contrib = compute(i, payload)
-        wait  accumulator of origin x-i from prev (posted at step i-1), add contrib
+        contrib = compute(i, payloads)
+        wait  accumulator from prev (posted at step i-1), add contrib
         post  send(accumulator -> next), recv(accumulator <- prev)   [if G > 1]
     after the last step the accumulator received is the one for x's own payload.
 
@@ -19,72 +24,88 @@ payload = Q, dO, out, lse with a dQ accumulator, dK, dV fixed.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
 from .comm import Communicator
-from .topology import StarTrailTopology
 
 PAYLOAD_TAG = 11
 ACCUMULATOR_TAG = 12
 
+Payloads = Sequence[Sequence[torch.Tensor]]  # per lane, a list of tensors
+
+
+@dataclass(frozen=True)
+class Lane:
+    """A ring over positions, in ring order (the next of ``order[i]`` is ``order[i+1]``)."""
+
+    order: tuple[int, ...]
+
+    def next(self, pos: int) -> int:
+        return self.order[(self.order.index(pos) + 1) % len(self.order)]
+
+    def prev(self, pos: int) -> int:
+        return self.order[(self.order.index(pos) - 1) % len(self.order)]
+
+    def origin(self, pos: int, step: int) -> int:
+        """Whose step-0 payload ``pos`` holds at ``step`` (payloads move to ``next``)."""
+        return self.order[(self.order.index(pos) - step) % len(self.order)]
+
+
+def _exchange(comm, lanes, position, tensors, *, op, tag, counts_as_step):
+    """Post every lane's send to next and receive from prev; return (pending, buffers)."""
+    incoming = [[torch.empty_like(t) for t in lane_tensors] for lane_tensors in tensors]
+    sends = [(t, lane.next(position)) for lane, ts in zip(lanes, tensors) for t in ts]
+    recvs = [(t, lane.prev(position)) for lane, ts in zip(lanes, incoming) for t in ts]
+    return comm.post(sends, recvs, op=op, tag=tag, counts_as_step=counts_as_step), incoming
+
 
 def rotate(
     comm: Communicator,
-    topo: StarTrailTopology,
+    lanes: Sequence[Lane],
     position: int,
-    payload: Sequence[torch.Tensor],
-    compute: Callable[[int, Sequence[torch.Tensor]], Sequence[torch.Tensor] | None],
+    payloads: Payloads,
+    compute: Callable[[int, Payloads], Payloads | None],
     *,
     op: str,
     accumulate: bool = False,
-) -> list[torch.Tensor] | None:
-    """Run the sub-ring loop.
+) -> list[list[torch.Tensor]] | None:
+    """Run the rotation over ``lanes`` (all of the same length ``G``).
 
-    With ``accumulate``, ``compute`` returns fresh gradient tensors for the payload it
-    was given, and the accumulated gradients of this position's own (step-0) payload are
-    returned; without, ``compute`` returns None and so does this.
+    With ``accumulate``, ``compute`` returns, per lane, fresh gradient tensors for the
+    payload it was given, and the accumulated gradients of this position's own (step-0)
+    payloads are returned, per lane; without, ``compute`` returns None and so does this.
     """
-    steps = topo.sub_ring_size
-    nxt, prv = topo.ring_next(position), topo.ring_prev(position)
-    acc_in: list[torch.Tensor] | None = None  # accumulators received from prev
-    acc_pending = None
-    home: list[torch.Tensor] | None = None
+    steps = len(lanes[0].order)
+    assert all(len(lane.order) == steps for lane in lanes)
+    acc_in = acc_pending = home = None
     for step in range(steps):
         payload_pending = None
         if step < steps - 1:
-            incoming = [torch.empty_like(t) for t in payload]
-            payload_pending = comm.post(
-                [(t, nxt) for t in payload],
-                [(t, prv) for t in incoming],
-                op=op,
-                tag=PAYLOAD_TAG,
-                # With accumulators the gradient chain sets the pace; the payload
-                # transfer overlaps it and adds no sequential step.
-                counts_as_step=not accumulate,
+            # With accumulators the gradient chain sets the pace; the payload transfer
+            # overlaps it and adds no sequential step of its own.
+            payload_pending, incoming = _exchange(
+                comm, lanes, position, payloads, op=op, tag=PAYLOAD_TAG, counts_as_step=not accumulate
             )
-        contrib = compute(step, payload)
+        contrib = compute(step, payloads)
         if accumulate:
-            contrib = list(contrib)
             if acc_pending is not None:
                 acc_pending.wait()
-                for c, r in zip(contrib, acc_in):
-                    c.add_(r)
+                for lane_c, lane_r in zip(contrib, acc_in):
+                    for c, r in zip(lane_c, lane_r):
+                        c.add_(r)
             if steps > 1:
-                acc_in = [torch.empty_like(c) for c in contrib]
-                acc_pending = comm.post(
-                    [(c, nxt) for c in contrib],
-                    [(r, prv) for r in acc_in],
-                    op=op + "_grad",
-                    tag=ACCUMULATOR_TAG,
+                acc_pending, acc_in = _exchange(
+                    comm, lanes, position, contrib, op=op + "_grad", tag=ACCUMULATOR_TAG, counts_as_step=True
                 )
                 home = acc_in
             else:
-                home = contrib
+                home = [list(c) for c in contrib]
         if payload_pending is not None:
             payload_pending.wait()
-            payload = incoming
+            payloads = incoming
     if acc_pending is not None:
         acc_pending.wait()
     return home

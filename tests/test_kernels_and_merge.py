@@ -5,7 +5,14 @@ import torch
 
 from megatron_startrail.blocks import merge_lse_, merge_partials
 from megatron_startrail.kernels import ReferenceKernel, TorchCPUFlashKernel, select_kernel
-from megatron_startrail.layout import plan_blocks, startrail_position_chunks, zigzag_chunks
+from megatron_startrail.layout import (
+    plan_blocks,
+    segment_rows,
+    split_segments,
+    startrail_position_chunks,
+    whole_chunks,
+    zigzag_chunks,
+)
 from tests.attention_cases import TOLERANCE, reference_with_grads, relative_error
 
 KERNELS = [ReferenceKernel(), TorchCPUFlashKernel()]
@@ -90,30 +97,80 @@ def test_merge_gives_rows_without_keys_zero_weight_not_nan():
     assert merged_lse[0, 0, 1].item() == float("-inf")
 
 
+def _coverage(q_segments, k_segments, causal):
+    """How many times each (query row, key row) pair of local storage is computed."""
+    q_total = sum(b - a for _, a, b in q_segments)
+    k_total = sum(b - a for _, a, b in k_segments)
+    count = torch.zeros(q_total, k_total, dtype=torch.int64)
+    for block in plan_blocks(q_segments, k_segments, causal):
+        q0, q1 = block.q_rows
+        cols = torch.cat([torch.arange(a, b) for a, b in block.k_rows])
+        sub = torch.ones(q1 - q0, len(cols), dtype=torch.int64)
+        if block.causal:
+            assert q1 - q0 == len(cols), "causal blocks must be square"
+            sub = sub.tril()
+        count[q0:q1, cols] += sub
+    return count
+
+
+def _positions(segments, chunk_len):
+    return torch.tensor([c * chunk_len + t for c, a, b in segments for t in range(a, b)])
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_plan_covers_exactly_the_visible_pairs(seed):
+    # Random runs of tokens of random chunks, on both sides, against a brute-force mask.
+    rng = torch.Generator().manual_seed(seed)
+    chunk_len = 6
+
+    def random_segments():
+        segs = []
+        for chunk in torch.randperm(5, generator=rng)[: 1 + seed % 4].tolist():
+            a, b = sorted(torch.randint(0, chunk_len + 1, (2,), generator=rng).tolist())
+            if b > a:
+                segs.append((chunk, a, b))
+        return tuple(segs) or ((0, 0, chunk_len),)
+
+    q_segments, k_segments = random_segments(), random_segments()
+    for causal in (True, False):
+        qp, kp = _positions(q_segments, chunk_len), _positions(k_segments, chunk_len)
+        visible = (kp[None, :] <= qp[:, None]) if causal else torch.ones(len(qp), len(kp), dtype=torch.bool)
+        assert torch.equal(_coverage(q_segments, k_segments, causal), visible.long())
+
+
 def test_causal_plan_matches_the_chunk_picture():
-    # CP = 2: rank 0 holds chunks (0, 3), rank 1 holds (1, 2).
+    # CP = 2: rank 0 holds chunks (0, 3), rank 1 holds (1, 2); chunks of 4 tokens.
     assert zigzag_chunks(0, 2) == (0, 3) and zigzag_chunks(1, 2) == (1, 2)
-    plans = plan_blocks((0, 3), (1, 2), causal=True)
-    # query chunk 0 sees nothing of (1, 2); query chunk 3 sees both fully.
-    assert [(p.query_slot, p.full, p.diagonal) for p in plans] == [(1, (0, 1), None)]
-    plans = plan_blocks((1, 2), (0, 3), causal=True)
-    assert [(p.query_slot, p.full, p.diagonal) for p in plans] == [(0, (0,), None), (1, (0,), None)]
-    plans = plan_blocks((0, 3), (0, 3), causal=True)
-    assert [(p.query_slot, p.full, p.diagonal) for p in plans] == [(0, (), 0), (1, (0,), 1)]
+
+    def plan(q, k):
+        return [(b.q_rows, b.k_rows, b.causal) for b in plan_blocks(whole_chunks(q, 4), whole_chunks(k, 4), True)]
+
+    # query chunk 0 sees nothing of (1, 2); query chunk 3 sees both, in one call.
+    assert plan((0, 3), (1, 2)) == [((4, 8), ((0, 8),), False)]
+    assert plan((1, 2), (0, 3)) == [((0, 4), ((0, 4),), False), ((4, 8), ((0, 4),), False)]
+    assert plan((0, 3), (0, 3)) == [((0, 4), ((0, 4),), True), ((4, 8), ((0, 4),), False), ((4, 8), ((4, 8),), True)]
     # Ulysses U=2 over CP=4: StarTrail position 1 holds CP ranks 2 and 3's chunks.
     assert startrail_position_chunks(1, 2, 4) == (2, 5, 3, 4)
 
 
+def test_split_segments_partitions_every_chunk():
+    segs = whole_chunks((3, 0, 5), 7)
+    parts = split_segments(segs, 3)
+    assert [b - a for p in parts for _, a, b in p] == [2, 2, 2, 2, 2, 2, 3, 3, 3]
+    assert sorted(_positions(sum(parts, ()), 7).tolist()) == sorted(_positions(segs, 7).tolist())
+    assert segment_rows(parts[1], segs) == [(2, 4), (9, 11), (16, 18)]
+
+
 @pytest.mark.parametrize("cp", [2, 4, 8, 16])
 def test_zigzag_pairs_balance_causal_work(cp):
-    # Every (query pair, key pair) holds exactly two chunk-blocks of unmasked work
-    # (a diagonal block counts as half).
+    # A query pair against a key pair of whole chunks: two full blocks (2 L^2), or, for
+    # the pair against itself, one full block and two diagonal ones (2 L^2 + L).
+    chunk_len = 4
     for x in range(cp):
         for y in range(cp):
-            work = 0.0
-            for p in plan_blocks(zigzag_chunks(x, cp), zigzag_chunks(y, cp), causal=True):
-                work += len(p.full) + (0.5 if p.diagonal is not None else 0)
-            assert work == 2.0
+            q, k = whole_chunks(zigzag_chunks(x, cp), chunk_len), whole_chunks(zigzag_chunks(y, cp), chunk_len)
+            work = _coverage(q, k, True).sum().item()
+            assert work == 2 * chunk_len**2 + (chunk_len if x == y else 0)
 
 
 def test_select_kernel():
