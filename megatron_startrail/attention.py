@@ -23,9 +23,9 @@ from .accounting import AttentionShape, choose_backward_rotation
 from .comm import CommStats, Communicator
 from .groups import StarTrailGroups
 from .kernels import select_kernel
-from .layout import Segment, segment_rows, split_segments, whole_chunks
-from .schedule import Lane, rotate
-from .transfer import TRANSFERS, sub_ring_lanes
+from .layout import Segment, whole_chunks
+from .schedule import rotate
+from .transfer import TRANSFERS, LaneSplit, sub_ring_lanes
 from .ulysses import gather_sequence, scatter_sequence
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -39,39 +39,6 @@ def _team_segments(groups: StarTrailGroups, team: int, chunk_len: int) -> tuple[
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-class _Rotation:
-    """What circulates in the sub-ring phase, split over the lanes of the transfer.
-
-    ``segments_of(origin)`` gives the rows (as segments) of the payload that position
-    ``origin`` holds at step 0; lane ``k`` carries part ``k`` of every such payload.
-    """
-
-    def __init__(self, lanes: list[Lane], chunk_len: int, segments_of) -> None:
-        # More lanes than tokens per chunk would leave parts empty: use fewer lanes.
-        self.lanes = lanes[: max(1, min(len(lanes), chunk_len))]
-        self._segments_of = segments_of
-
-    def part_segments(self, origin: int, lane: int) -> tuple[Segment, ...]:
-        return split_segments(self._segments_of(origin), len(self.lanes))[lane]
-
-    def part_rows(self, origin: int) -> list[tuple[tuple[int, int], ...]]:
-        whole = self._segments_of(origin)
-        return [tuple(segment_rows(p, whole)) for p in split_segments(whole, len(self.lanes))]
-
-    def split(self, position: int, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-        """Per lane, the part of each ``[rows, ...]`` tensor it carries (views for one lane)."""
-        return [[blocks.take_rows(t, rows) for t in tensors] for rows in self.part_rows(position)]
-
-    def join(self, position: int, parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-        """Inverse of :meth:`split` for one tensor per lane."""
-        if len(parts) == 1:
-            return parts[0]
-        out = torch.zeros_like(like)
-        for part, rows in zip(parts, self.part_rows(position)):
-            blocks.add_rows(out, part, rows)
-        return out
 
 
 class _StarTrailAttention(torch.autograd.Function):
@@ -104,7 +71,7 @@ class _StarTrailAttention(torch.autograd.Function):
         acc_out = q.new_zeros((b, h, c * n, d), dtype=acc_dtype)
         acc_lse = q.new_full((b, h, c * n), float("-inf"), dtype=acc_dtype)
         q_segments = _team_segments(groups, team, chunk_len)
-        kv_rot = _Rotation(
+        kv_rot = LaneSplit(
             sub_ring_lanes(topo, pos, transfer), chunk_len,
             lambda origin: _team_segments(groups, topo.kv_team_at_step(origin, 0), chunk_len),
         )
@@ -160,7 +127,7 @@ class _StarTrailAttention(torch.autograd.Function):
         # 2. the sub-ring, one side fixed, the other circulating with its gradients
         if ctx.rotation == "q":
             dkv_init = kv_init.new_zeros(kv_init.shape, dtype=acc_dtype)
-            q_rot = _Rotation(lanes, chunk_len, lambda origin: _team_segments(groups, topo.team_of(origin), chunk_len))
+            q_rot = LaneSplit(lanes, chunk_len, lambda origin: _team_segments(groups, topo.team_of(origin), chunk_len))
 
             def step_q(step, payloads):
                 contrib = []
@@ -173,10 +140,10 @@ class _StarTrailAttention(torch.autograd.Function):
 
             home = rotate(comm, q_rot.lanes, pos, q_rot.split(pos, [q_side, lse_team]), step_q,
                           op="sub_ring", accumulate=True)
-            dq_team = q_rot.join(pos, [lane_acc[0] for lane_acc in home], q_team.to(acc_dtype))
+            dq_team = q_rot.join(pos, [lane_acc[0] for lane_acc in home])
         else:
             dq_team = q_team.new_zeros(q_team.shape, dtype=acc_dtype)
-            kv_rot = _Rotation(
+            kv_rot = LaneSplit(
                 lanes, chunk_len, lambda origin: _team_segments(groups, topo.kv_team_at_step(origin, 0), chunk_len)
             )
 
@@ -191,7 +158,7 @@ class _StarTrailAttention(torch.autograd.Function):
 
             home = rotate(comm, kv_rot.lanes, pos, kv_rot.split(pos, [kv_init]), step_kv,
                           op="sub_ring", accumulate=True)
-            dkv_init = kv_rot.join(pos, [lane_acc[0] for lane_acc in home], kv_init.to(acc_dtype))
+            dkv_init = kv_rot.join(pos, [lane_acc[0] for lane_acc in home])
 
         # 3. dK, dV go back along the reverse of the initial send
         dst, src = topo.init_send_dst(pos), topo.init_send_src(pos)
