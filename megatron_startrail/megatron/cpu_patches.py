@@ -1,0 +1,174 @@
+"""Run megatron-core on a CPU-only PyTorch (for development, CI and the CPU main job).
+
+megatron-core assumes CUDA in a handful of places (DESIGN.md section 5 lists them).
+Everything that works around that lives here, and nothing here is used when a GPU is
+present: :func:`apply` refuses to run when ``torch.cuda.is_available()``.
+
+Two stages, because one blocker is at import time:
+
+- :func:`install_import_shims` (before ``import megatron``): ``typing.override`` for
+  Python 3.11 (``megatron.training`` imports it from ``typing``, new in 3.12), and a
+  stand-in for ``megatron.core.transformer.moe.ops.paged_stash``, which imports
+  ``triton`` unguarded (a fake top-level ``triton`` would break torch's inductor).
+- :func:`apply` (after import): the model-parallel RNG tracker on CPU generator states,
+  ``torch.cuda`` stream/synchronize/device helpers as no-ops, and a
+  ``TorchFunctionMode`` that maps every ``device="cuda"`` / ``.cuda()`` /
+  ``pin_memory=True`` to the CPU, which covers the hard-coded CUDA allocations in one
+  place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+import typing
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_PAGED_STASH = "megatron.core.transformer.moe.ops.paged_stash"
+_state = {"mode": None}
+
+
+def install_import_shims() -> None:
+    """Make ``import megatron.core`` / ``megatron.training`` work on Python 3.11 without triton."""
+    if not hasattr(typing, "override"):
+        import typing_extensions  # noqa: PLC0415
+
+        typing.override = typing_extensions.override
+    if _PAGED_STASH not in sys.modules:
+        try:
+            import triton  # noqa: F401, PLC0415
+        except ImportError:
+            stub = types.ModuleType(_PAGED_STASH)
+            stub.__doc__ = "CPU stand-in: the real module needs triton (MoE paged stash kernels)."
+            stub.GLOBAL_BLOCK_SIZE = 0
+            stub.__all__ = ["GLOBAL_BLOCK_SIZE", "paged_stash_copy_kernel", "paged_stash_pop_kernel"]
+
+            def _unavailable(*_args, **_kwargs):
+                raise RuntimeError("paged stash kernels need triton and a GPU")
+
+            stub.paged_stash_copy_kernel = stub.paged_stash_pop_kernel = _unavailable
+            sys.modules[_PAGED_STASH] = stub
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Send every CUDA device request to the CPU (and drop pinned memory)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs["device"] = torch.device("cpu")
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        if func in (torch.Tensor.to, torch.Tensor.pin_memory):
+            if func is torch.Tensor.pin_memory:
+                return args[0]
+            args = tuple(torch.device("cpu") if _is_cuda(a) else a for a in args)
+        return func(*args, **kwargs)
+
+
+class _NoStream:
+    """Stands in for ``torch.cuda.Stream``: everything on the CPU is already ordered."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args):
+        pass
+
+    def wait_event(self, *args):
+        pass
+
+    def record_event(self, *args):
+        return _NoEvent()
+
+    def synchronize(self):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _NoEvent(_NoStream):
+    def record(self, *args):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, *args):
+        return 0.0
+
+
+def _patch_rng_tracker() -> None:
+    from megatron.core.tensor_parallel import random as mrandom  # noqa: PLC0415
+
+    def add(self, name, seed):
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        self.seeds_.add(seed)
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name=mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
+        if name not in self.states_:
+            raise Exception(f"rng state {name} is not added")
+        orig = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+    mrandom.CudaRNGStatesTracker.add = add
+    mrandom.CudaRNGStatesTracker.fork = fork
+    mrandom._set_cuda_rng_state = lambda new_state, *a, **k: None
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+
+
+def apply() -> None:
+    """Patch megatron-core and ``torch.cuda`` for a CPU-only run; idempotent."""
+    if torch.cuda.is_available():
+        raise RuntimeError("megatron_startrail.megatron.cpu_patches is for CPU-only runs; a GPU is present")
+    if _state["mode"] is not None:
+        return
+    install_import_shims()
+    _patch_rng_tracker()
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_stream = lambda *a, **k: _NoStream()
+    torch.cuda.default_stream = lambda *a, **k: _NoStream()
+    torch.cuda.Stream = _NoStream
+    torch.cuda.Event = _NoEvent
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    torch.cuda.manual_seed = lambda *a, **k: None
+    torch.cuda.manual_seed_all = lambda *a, **k: None
+    torch.cuda.device_count = lambda: 0
+    torch.cuda.set_device = lambda *a, **k: None
+    torch.cuda.empty_cache = lambda: None
+    mode = CudaToCpuMode()
+    mode.__enter__()  # for the life of the process
+    _state["mode"] = mode
+
+
+def is_applied() -> bool:
+    return _state["mode"] is not None

@@ -1,0 +1,87 @@
+"""A tiny GPTModel with the StarTrail spec gives the loss and gradients of the CP=1 model.
+
+Each parallel layout runs in one forked world; the CP=1 reference with the same TP/PP
+runs in another. Weights are initialized on the CPU from the same seeds, so both worlds
+hold identical weights per (TP, PP) rank (asserted). Losses are summed over tokens and
+gradients over the DP x CP group (what Megatron's DDP does), then compared.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.megatron.utils import Utils, forward_backward, parallel_state, sample_batch, tiny_gpt
+from tests.multiproc import run_ranks
+
+# (name, world, tp, pp, cp, dp, team_size, ulysses, query_groups)
+LAYOUTS = [
+    ("TP2xCP4_C2", 8, 2, 1, 4, 1, 2, 1, None),
+    ("PP2xCP4_C2", 8, 1, 2, 4, 1, 2, 1, None),
+    ("DP2xCP4_C2", 8, 1, 1, 4, 2, 2, 1, None),
+    ("CP8_C2", 8, 1, 1, 8, 1, 2, 1, None),
+    ("CP8_U2xS4_C2_GQA", 8, 1, 1, 8, 1, 2, 2, 2),
+    ("CP16_C4", 16, 1, 1, 16, 1, 4, 1, None),
+]
+STEPS, LR = 3, 1e-2
+
+
+def concat_batches(batches):
+    return {k: None if v is None else torch.cat([b[k] for b in batches]) for k, v in batches[0].items()}
+
+
+def worker(rank, world_size, tp, pp, cp, team_size, ulysses, query_groups):
+    """Train STEPS steps of SGD; return per-step losses and the first step's grads (rank-0 of DPxCP)."""
+    Utils.initialize_model_parallel(tp=tp, pp=pp, cp=cp)
+    model = tiny_gpt(tp, pp, cp, team_size, ulysses, query_groups)
+    weights = {n: p.detach().double().sum().item() for n, p in model.named_parameters()}
+    dp = parallel_state.get_data_parallel_world_size(with_context_parallel=False)
+    dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=False)
+    dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    losses, first_grads = [], None
+    for step in range(STEPS):
+        model.zero_grad(set_to_none=False)
+        # The reference (dp=1) sees every DP rank's sample in one batch of `dp_total`.
+        batches = [sample_batch(10 * step + d) for d in range(2)]
+        mine = batches[dp_rank] if dp > 1 else concat_batches(batches)
+        loss = forward_backward(model, mine)
+        total = torch.tensor([loss if loss is not None else 0.0], dtype=torch.float64)
+        dist.all_reduce(total, group=dp_cp_group)
+        grads = {}
+        for name, p in model.named_parameters():
+            g = p.grad.detach().clone()
+            dist.all_reduce(g, group=dp_cp_group)
+            grads[name] = g
+            p.data.add_(g, alpha=-LR)  # plain SGD on the summed gradients
+        losses.append(total.item())
+        if first_grads is None:
+            first_grads = grads
+    keep = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+    key = (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank())
+    last_stage = parallel_state.is_pipeline_last_stage()
+    Utils.destroy_model_parallel()
+    return (key, weights, first_grads, losses if last_stage else None) if keep else None
+
+
+def collect(results):
+    by_key = {}
+    for r in results:
+        if r is not None:
+            key, weights, grads, losses = r
+            by_key[key] = (weights, grads, losses)
+    return by_key
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[l[0] for l in LAYOUTS])
+def test_startrail_gpt_matches_cp1(layout):
+    name, world, tp, pp, cp, dp, c, u, qg = layout
+    got = collect(run_ranks(worker, world, args=(tp, pp, cp, c, u, qg), timeout=300))
+    ref = collect(run_ranks(worker, tp * pp * (2 if dp > 1 else 1), args=(tp, pp, 1, 1, 1, qg), timeout=300))
+    assert set(got) == set(ref) and got
+    for key in ref:
+        (w, g, losses), (rw, rg, rlosses) = got[key], ref[key]
+        assert w == rw, f"{name} {key}: weights differ between the two builds"
+        for pname in rg:
+            err = (g[pname] - rg[pname]).abs().max().item() / max(rg[pname].abs().max().item(), 1e-12)
+            assert err < 1e-4, f"{name} {key} {pname}: relative grad error {err:.2e}"
+        if rlosses is not None:
+            assert losses == pytest.approx(rlosses, rel=1e-5), f"{name}: losses {losses} vs CP=1 {rlosses}"

@@ -1,0 +1,104 @@
+"""Upstream-style helpers for the Megatron tests (Megatron's tests/unit_tests ``Utils``).
+
+Megatron is imported in the pytest process so that forked ranks inherit it. Everything
+runs on CPU with gloo, through ``megatron_startrail.megatron.cpu_patches``.
+"""
+
+from __future__ import annotations
+
+from megatron_startrail.megatron import cpu_patches
+
+cpu_patches.install_import_shims()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+from megatron.core.utils import get_batch_on_this_cp_rank  # noqa: E402
+
+from megatron_startrail.megatron.layer_specs import to_startrail_spec  # noqa: E402
+from megatron_startrail.megatron.parallel_state import initialize_startrail  # noqa: E402
+
+VOCAB, SEQ, HIDDEN, HEADS, LAYERS = 128, 64, 64, 8, 2
+
+
+class Utils:
+    """Initialize / destroy model-parallel state on an already initialized gloo world."""
+
+    @staticmethod
+    def initialize_model_parallel(tp=1, pp=1, cp=1, seed=123):
+        cpu_patches.apply()
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp
+        )
+        model_parallel_cuda_manual_seed(seed)
+
+    @staticmethod
+    def destroy_model_parallel():
+        parallel_state.destroy_model_parallel()
+        dist.barrier()
+
+
+def tiny_gpt(tp=1, pp=1, cp=1, team_size=1, ulysses_size=1, query_groups=None, seed=1234):
+    """A 2-layer GPT on this rank's pipeline stage; StarTrail core attention when cp > 1."""
+    torch.manual_seed(seed)
+    config = TransformerConfig(
+        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=query_groups,
+        use_cpu_initialization=True, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        context_parallel_size=cp, hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
+        batch_p2p_sync=False, pipeline_dtype=torch.float32,
+        calculate_per_token_loss=True,  # the schedule then leaves our summed loss unscaled
+    )
+    spec = get_gpt_layer_local_spec()
+    if cp > 1:
+        spec = to_startrail_spec(spec, initialize_startrail(team_size, ulysses_size))
+    return GPTModel(
+        config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
+        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
+        position_embedding_type="rope",
+    )
+
+
+def sample_batch(sample: int, batch: int = 1):
+    """Random tokens (seeded by ``sample``) with next-token labels, full sequence."""
+    gen = torch.Generator().manual_seed(1000 + sample)
+    tokens = torch.randint(0, VOCAB, (batch, SEQ + 1), generator=gen)
+    return {
+        "tokens": tokens[:, :-1].contiguous(),
+        "labels": tokens[:, 1:].contiguous(),
+        "loss_mask": (torch.rand(batch, SEQ, generator=gen) > 0.1).float(),
+        "position_ids": torch.arange(SEQ).expand(batch, SEQ).contiguous(),
+        "attention_mask": None,
+    }
+
+
+def forward_backward(model, batch):
+    """One pipeline schedule over one microbatch; returns the summed masked loss (last stage).
+
+    The loss is the *sum* over this CP rank's tokens, so summing over CP ranks gives the
+    full-sequence loss; gradients likewise sum over the CP (and DP) group.
+    """
+    seq_length, micro_batch = batch["tokens"].shape[1], batch["tokens"].shape[0]  # before the CP split
+    batch = get_batch_on_this_cp_rank(dict(batch), False, parallel_state.get_context_parallel_group())
+
+    def forward_step(data_iterator, model):
+        b = next(data_iterator)
+        output = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
+
+        def loss_func(output_tensor):
+            loss = (output_tensor.float() * b["loss_mask"]).sum()
+            tokens = b["loss_mask"].sum().to(torch.int)
+            return loss, tokens, {"loss_sum": loss.detach().clone()}
+
+        return output, loss_func
+
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter([batch]), model=[model], num_microbatches=1,
+        seq_length=seq_length, micro_batch_size=micro_batch, forward_only=False,
+    )
+    return sum(float(x["loss_sum"]) for x in losses) if losses else None
