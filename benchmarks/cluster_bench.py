@@ -1,0 +1,242 @@
+"""Ring attention vs StarTrail on an emulated multi-node cluster (one command).
+
+    python benchmarks/cluster_bench.py --nodes 2 --ranks-per-node 4 --rate-mbit 100 \
+        --seq-length 8192 --heads 4 --head-dim 32 --configs ring startrail-2 ulysses-2xstartrail-2
+
+Builds the cluster (network namespaces, see netns_cluster.py; needs root), runs every
+configuration's attention forward+backward on every rank (benchmarks/attention_worker.py),
+and reports per configuration: median time per iteration, P2P and collective bytes per
+rank, bytes that crossed node boundaries (the project's accounting and the kernel's
+interface counters), sequential P2P steps and the bytes kept for backward. Results go to
+``--out`` as JSON, a Markdown table and a PNG plot; with several ``--rate-mbit`` values
+the planner's predicted ranking is compared with the measured one per link speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from benchmarks.netns_cluster import EmulatedCluster, check_requirements  # noqa: E402
+from megatron_startrail.planner import ClusterSpec, Workload, predict  # noqa: E402
+from megatron_startrail.topology import valid_team_sizes  # noqa: E402
+
+
+def calibrate_tflops(args) -> float:
+    """Effective attention TFLOP/s of one rank here: the whole workload's forward+backward
+    through ``startrail_attn`` on a world of one rank (same kernels, block plans and
+    merges), single-threaded, then shared by all ranks over the machine's cores."""
+    import datetime  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from megatron_startrail import new_startrail_groups, startrail_attn  # noqa: PLC0415
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=60))
+        groups = new_startrail_groups(team_size=1)
+        kv = args.kv_heads or args.heads
+        shapes = [(args.seq_length, args.batch, h, args.head_dim) for h in (args.heads, kv, kv)]
+        best = float("inf")
+        for _ in range(2):
+            q, k, v = (torch.randn(s, requires_grad=True) for s in shapes)
+            start = time.perf_counter()
+            startrail_attn(q, k, v, groups, causal=not args.no_causal).sum().backward()
+            best = min(best, time.perf_counter() - start)
+        dist.destroy_process_group()
+    flops = 4 * args.batch * args.heads * args.seq_length**2 * args.head_dim * 3.5  # forward + 2.5x backward
+    if not args.no_causal:
+        flops /= 2
+    ranks = args.nodes * args.ranks_per_node
+    return flops / best / 1e12 * min(1.0, (os.cpu_count() or 1) / ranks)
+
+
+def predictions(args, rate_mbit: float, configs: list[dict], tflops: float, latency_s: float) -> dict[str, float]:
+    """The planner's predicted time (ms) per configuration on this emulated cluster.
+
+    Its inputs are measured here, never fitted to the results: the link rate, the
+    attention rate (:func:`calibrate_tflops`) and the latency of one P2P step (the
+    workers time a tiny ring exchange before the benchmark)."""
+    cluster = ClusterSpec(
+        nodes=args.nodes, gpus_per_node=args.ranks_per_node, intra_node_gbs=args.intra_node_gbs,
+        inter_node_gbs=rate_mbit / 8 / 1000, nics_per_node=1, intra_latency_s=latency_s, inter_latency_s=latency_s,
+        attention_tflops=tflops,
+    )
+    work = Workload(args.seq_length, args.heads, args.kv_heads or args.heads, args.head_dim, args.batch,
+                    4 if args.dtype == "float32" else 2, not args.no_causal)
+    world = args.nodes * args.ranks_per_node
+    return {c["name"]: 1000 * predict(cluster, work, world, c["team_size"], c["ulysses"], c["transfer"]).time_s
+            for c in configs}
+
+
+def ranking_report(results: list[dict]) -> str:
+    lines = ["| link Mbit/s | measured ranking (fastest first) | predicted ranking | match |", "|---|---|---|---|"]
+    for rate in sorted({r["rate_mbit"] for r in results}):
+        rows = [r for r in results if r["rate_mbit"] == rate]
+        measured = [r["name"] for r in sorted(rows, key=lambda r: r["time_ms_median"])]
+        predicted = [r["name"] for r in sorted(rows, key=lambda r: r["predicted_ms"])]
+        lines.append(f"| {rate:g} | {' < '.join(measured)} | {' < '.join(predicted)} | "
+                     f"{'yes' if measured == predicted else 'no'} |")
+    return "\n".join(lines)
+
+
+def parse_config(name: str) -> dict:
+    """``ring`` | ``startrail-C`` | ``tasp`` | ``ulysses-UxstartrailC`` | ``startrail-C-multiring``."""
+    config = {"name": name, "team_size": 1, "ulysses": 1, "transfer": "ring"}
+    parts = name.split("x")
+    if parts[0].startswith("ulysses-"):
+        config["ulysses"] = int(parts[0].split("-")[1])
+        name = parts[1]
+    if name == "tasp":
+        config["transfer"] = "multiring"
+    elif name.startswith("startrail-"):
+        fields = name.split("-")
+        config["team_size"] = int(fields[1])
+        if len(fields) > 2 and fields[2] == "multiring":
+            config["transfer"] = "multiring"
+    elif name != "ring":
+        raise ValueError(f"unknown configuration {name!r}")
+    return config
+
+
+def run_once(args, rate_mbit: float, configs: list[dict]) -> list[dict]:
+    world = args.nodes * args.ranks_per_node
+    with tempfile.TemporaryDirectory() as tmp, EmulatedCluster(args.nodes, rate_mbit, args.topology) as cluster:
+        spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "out.json")
+        json.dump({
+            "workload": {"seq_length": args.seq_length, "batch": args.batch, "heads": args.heads,
+                         "kv_heads": args.kv_heads or args.heads, "head_dim": args.head_dim,
+                         "dtype": args.dtype, "causal": not args.no_causal},
+            "configs": configs, "warmup": args.warmup, "iters": args.iters, "output": out_path,
+        }, open(spec_path, "w"))
+        procs = []
+        for rank in range(world):
+            env = {"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": cluster.address(0),
+                   "MASTER_PORT": str(args.port), "RANKS_PER_NODE": str(args.ranks_per_node),
+                   "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(HERE)}
+            procs.append(cluster.spawn(rank // args.ranks_per_node,
+                                       [sys.executable, os.path.join(HERE, "attention_worker.py"), spec_path], env))
+        codes = [p.wait(timeout=args.timeout) for p in procs]
+        if any(codes):
+            raise RuntimeError(f"benchmark ranks failed with exit codes {codes}")
+        results = json.load(open(out_path))
+    for r in results:
+        r["rate_mbit"] = rate_mbit
+        r["nodes"], r["ranks_per_node"] = args.nodes, args.ranks_per_node
+    return results
+
+
+def table(results: list[dict]) -> str:
+    head = ("| link Mbit/s | configuration | time/iter ms | predicted ms | P2P MiB/rank | collective MiB/rank | inter-node MiB "
+            "(accounting) | inter-node MiB (kernel) | steps fwd/bwd | kept for bwd MiB/rank |")
+    lines = [head, "|" + "---|" * 10]
+    mib = 2.0**20
+    for r in results:
+        lines.append(
+            f"| {r['rate_mbit']:g} | {r['name']} | {r['time_ms_median']:.0f} | {r.get('predicted_ms', 0):.0f} | "
+            f"{r['p2p_bytes_sent_max'] / mib:.2f} | "
+            f"{r['collective_bytes_sent_max'] / mib:.2f} | {r['internode_bytes_accounting'] / mib:.2f} | "
+            f"{r['internode_bytes_kernel'] / mib:.2f} | {r['p2p_steps_forward']}/{r['p2p_steps_backward']} | "
+            f"{r['saved_for_backward_bytes_max'] / mib:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: str) -> None:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    rates = sorted({r["rate_mbit"] for r in results})
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    names = list(dict.fromkeys(r["name"] for r in results))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        rows = {r["rate_mbit"]: r for r in results if r["name"] == name}
+        xs = [k + i * width for k in range(len(rates))]
+        axes[0].bar(xs, [rows[x]["time_ms_median"] if x in rows else 0 for x in rates], width, label=name)
+        axes[1].bar(xs, [rows[x]["internode_bytes_kernel"] / 2**20 if x in rows else 0 for x in rates], width,
+                    label=name)
+    for ax, title in zip(axes, ("time per forward+backward (ms, median)", "bytes across nodes per iteration (MiB)")):
+        ax.set_xticks([k + 0.4 - width / 2 for k in range(len(rates))])
+        ax.set_xticklabels([f"{x:g} Mbit/s" for x in rates])
+        ax.set_title(title)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend()
+    r0 = results[0]
+    fig.suptitle(f"{r0['nodes']} nodes x {r0['ranks_per_node']} ranks, inter-node link shaped per node")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--ranks-per-node", type=int, default=4)
+    p.add_argument("--topology", choices=("bridge", "full_mesh"), default="bridge")
+    p.add_argument("--rate-mbit", type=float, nargs="+", default=[100.0], help="inter-node link rate(s)")
+    p.add_argument("--seq-length", type=int, default=8192)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=None)
+    p.add_argument("--head-dim", type=int, default=32)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--no-causal", action="store_true")
+    p.add_argument("--configs", nargs="+", default=["ring", "startrail-2", "startrail-4", "ulysses-2xstartrail-2"])
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--intra-node-gbs", type=float, default=1.0,
+                   help="loopback bandwidth per rank for the planner's model (GB/s)")
+    p.add_argument("--port", type=int, default=29555)
+    p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--out", default=os.path.join(HERE, "results", "cluster_bench"))
+    args = p.parse_args()
+
+    reason = check_requirements()
+    if reason:
+        print(f"cluster_bench: {reason}", file=sys.stderr)
+        return 2
+    world = args.nodes * args.ranks_per_node
+    configs = []
+    for name in args.configs:
+        c = parse_config(name)
+        if c["team_size"] not in valid_team_sizes(world // c["ulysses"]):
+            print(f"skipping {name}: team size {c['team_size']} does not fit {world // c['ulysses']} ranks "
+                  f"(valid: {valid_team_sizes(world // c['ulysses'])})")
+            continue
+        configs.append(c)
+    tflops = calibrate_tflops(args)
+    print(f"calibrated attention rate: {tflops * 1e3:.2f} GFLOP/s per rank")
+    results = []
+    for rate in args.rate_mbit:
+        measured = run_once(args, rate, configs)
+        predicted = predictions(args, rate, configs, tflops, measured[0]["step_latency_ms"] / 1000)
+        for r in measured:
+            r["predicted_ms"] = predicted[r["name"]]
+            results.append(r)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+        json.dump({"argv": sys.argv, "results": results}, f, indent=1)
+    text = table(results) + "\n\n" + ranking_report(results)
+    with open(args.out + ".md", "w") as f:
+        f.write(text + "\n")
+    plot(results, args.out + ".png")
+    print(text)
+    print(f"\nwrote {args.out}.json, {args.out}.md, {args.out}.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""An emulated multi-node cluster on one Linux machine: network namespaces as nodes.
+
+    with EmulatedCluster(nodes=2, rate_mbit=200) as cluster:
+        procs = [cluster.spawn(node, argv, env) for ...]
+
+Topologies::
+
+    bridge     node namespaces st<i> joined by veth pairs to a bridge in the root
+               namespace; every node's link is shaped on its egress (a NIC of
+               rate_mbit each way). Ranks of one node talk over loopback (the kernel
+               routes traffic to a local address over lo), so only inter-node bytes
+               cross, and are counted on, the veth.
+    full_mesh  every pair of nodes has its own veth link (own subnet), each shaped; a
+               node's address lives on a dummy interface routed over the direct link
+               to each peer. One rank per node: the TASP setting, where a single ring
+               uses one link per rank and concurrent rings use them all.
+
+Shaping is ``tc tbf`` (netem delays are not available on every kernel, so latency is
+left to the real stack). Needs root and iproute2: :func:`check_requirements` says what
+is missing. Everything is torn down on exit, also after errors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+
+PREFIX = "stb"  # namespace / interface name prefix
+MTU = 9000  # fewer headers per byte: kernel counters stay close to payload bytes
+
+
+def check_requirements() -> str | None:
+    """None if the cluster can be built here, else the reason."""
+    if os.geteuid() != 0:
+        return "the emulated cluster needs root (network namespaces, veth pairs, tc)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"the emulated cluster needs iproute2 ('{tool}' not found): apt-get install iproute2"
+    probe = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"'ip netns' does not work here: {probe.stderr.strip()}"
+    return None
+
+
+def _run(*cmd: str) -> None:
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {res.stderr.strip()}")
+
+
+def _shape(ns: str, dev: str, rate_mbit: float) -> None:
+    # tbf needs a bucket of at least one packet; a few ms of traffic keeps the rate smooth.
+    burst = max(4 * MTU, int(rate_mbit * 1e6 / 8 * 0.004))
+    _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+         "rate", f"{rate_mbit}mbit", "burst", str(burst), "latency", "100ms")
+
+
+class EmulatedCluster:
+    """``nodes`` namespaces; see the module docstring for the two topologies."""
+
+    def __init__(self, nodes: int, rate_mbit: float | None, topology: str = "bridge") -> None:
+        if topology not in ("bridge", "full_mesh"):
+            raise ValueError(f"topology={topology!r}: use 'bridge' or 'full_mesh'")
+        self.nodes, self.rate_mbit, self.topology = nodes, rate_mbit, topology
+        self.namespaces = [f"{PREFIX}{i}" for i in range(nodes)]
+        self._links: list[tuple[str, str]] = []  # (namespace, interface) whose tx counts as inter-node
+
+    # -- addresses -------------------------------------------------------------------
+    def address(self, node: int) -> str:
+        """The address ranks of ``node`` bind gloo to (and rank 0's TCP store listens on)."""
+        return f"10.78.0.{node + 1}" if self.topology == "bridge" else f"10.79.0.{node + 1}"
+
+    def gloo_interface(self, node: int) -> str:
+        return f"{PREFIX}v{node}" if self.topology == "bridge" else f"{PREFIX}h{node}"
+
+    # -- lifecycle -------------------------------------------------------------------
+    def __enter__(self) -> "EmulatedCluster":
+        reason = check_requirements()
+        if reason:
+            raise RuntimeError(reason)
+        self.teardown()  # leftovers of an interrupted run
+        try:
+            for ns in self.namespaces:
+                _run("ip", "netns", "add", ns)
+                _run("ip", "-n", ns, "link", "set", "lo", "up")
+            (self._build_bridge if self.topology == "bridge" else self._build_mesh)()
+        except BaseException:
+            self.teardown()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.teardown()
+
+    def _build_bridge(self) -> None:
+        br = f"{PREFIX}br"
+        _run("ip", "link", "add", br, "type", "bridge")
+        _run("ip", "link", "set", br, "mtu", str(MTU), "up")
+        for i, ns in enumerate(self.namespaces):
+            inner, outer = f"{PREFIX}v{i}", f"{PREFIX}p{i}"
+            _run("ip", "link", "add", inner, "mtu", str(MTU), "type", "veth", "peer", "name", outer, "mtu", str(MTU))
+            _run("ip", "link", "set", inner, "netns", ns)
+            _run("ip", "link", "set", outer, "master", br, "up")
+            _run("ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", inner)
+            _run("ip", "-n", ns, "link", "set", inner, "up")
+            if self.rate_mbit:
+                _shape(ns, inner, self.rate_mbit)
+            self._links.append((ns, inner))
+
+    def _build_mesh(self) -> None:
+        for i, ns in enumerate(self.namespaces):
+            _run("ip", "-n", ns, "link", "add", f"{PREFIX}h{i}", "type", "dummy")
+            _run("ip", "-n", ns, "addr", "add", f"{self.address(i)}/32", "dev", f"{PREFIX}h{i}")
+            _run("ip", "-n", ns, "link", "set", f"{PREFIX}h{i}", "up")
+        for i in range(self.nodes):
+            for j in range(i + 1, self.nodes):
+                a, b = f"{PREFIX}{i}x{j}", f"{PREFIX}{j}x{i}"
+                _run("ip", "link", "add", a, "mtu", str(MTU), "netns", self.namespaces[i], "type", "veth",
+                     "peer", "name", b, "mtu", str(MTU), "netns", self.namespaces[j])
+                for node, dev, peer in ((i, a, j), (j, b, i)):
+                    ns = self.namespaces[node]
+                    _run("ip", "-n", ns, "link", "set", dev, "up")
+                    # Reach the peer's address over the direct link, from our own address.
+                    _run("ip", "-n", ns, "route", "add", f"{self.address(peer)}/32", "dev", dev,
+                         "src", self.address(node))
+                    if self.rate_mbit:
+                        _shape(ns, dev, self.rate_mbit)
+                    self._links.append((ns, dev))
+
+    def teardown(self) -> None:
+        for ns in self.namespaces:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        subprocess.run(["ip", "link", "del", f"{PREFIX}br"], capture_output=True)
+        for i in range(self.nodes):
+            subprocess.run(["ip", "link", "del", f"{PREFIX}p{i}"], capture_output=True)
+        self._links = []
+
+    # -- use -------------------------------------------------------------------------
+    def tx_bytes(self) -> dict[str, int]:
+        """Bytes sent so far on every inter-node interface, read from the kernel."""
+        out = {}
+        for ns, dev in self._links:
+            res = subprocess.run(["ip", "-n", ns, "-s", "-j", "link", "show", dev], capture_output=True, text=True)
+            out[f"{ns}/{dev}"] = int(json.loads(res.stdout)[0]["stats64"]["tx"]["bytes"])
+        return out
+
+    def spawn(self, node: int, argv: list[str], env: dict[str, str], **popen) -> subprocess.Popen:
+        """Start ``argv`` inside ``node``'s namespace, gloo bound to its interface."""
+        full_env = dict(os.environ, **env, GLOO_SOCKET_IFNAME=self.gloo_interface(node))
+        return subprocess.Popen(["ip", "netns", "exec", self.namespaces[node], *argv], env=full_env, **popen)

@@ -1,0 +1,245 @@
+"""Cost model and planner: which (Ulysses degree U, team size C) to use on a cluster.
+
+The model walks the schedule the implementation runs, with the bytes it really sends
+(:mod:`megatron_startrail.accounting`'s per-step forms) and the peers the rank math
+gives (:mod:`megatron_startrail.topology`), and prices every step on the cluster::
+
+    step time    = max(compute of the step, slowest link of the step) + latency
+    link time    = bytes over a rank's intra-node link / intra bandwidth, or
+                   a node's bytes to other nodes / the node's inter-node bandwidth
+                   (and one rank's / its own NIC's share)
+    attention    = team all-gather + initial send + sub-ring steps (overlapped with
+                   compute) + team merge, forward and backward, + Ulysses all-to-alls
+
+Compute is the attention's FLOPs (causal: half the blocks) at ``attention_tflops``
+per GPU; the backward does 2.5x the forward's FLOPs (flash-attention recomputes).
+
+    python -m megatron_startrail.planner --nodes 4 --gpus-per-node 8 --inter-node-gbps 100 \
+        --seq-length 131072 --heads 32 --head-dim 128 --cp-size 32
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from .accounting import AttentionShape, backward_p2p_bytes_per_step, choose_backward_rotation, ulysses_kv_heads
+from .topology import StarTrailTopology, valid_team_sizes
+
+BACKWARD_FLOPS_RATIO = 2.5
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Topology and speeds. Bandwidths in GB/s per direction; latency in seconds."""
+
+    nodes: int
+    gpus_per_node: int
+    intra_node_gbs: float = 300.0  # per GPU (NVLink-class)
+    inter_node_gbs: float = 50.0  # per node, all NICs together
+    nics_per_node: int = 8
+    intra_latency_s: float = 5e-6
+    inter_latency_s: float = 20e-6
+    attention_tflops: float = 150.0  # effective, per GPU
+    # CP rank c sits on global rank c * cp_stride (Megatron's order tp-cp-...: stride = TP).
+    cp_stride: int = 1
+
+    def node_of(self, cp_rank: int) -> int:
+        return (cp_rank * self.cp_stride) // self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class Workload:
+    seq_length: int
+    heads: int  # per rank, after tensor parallelism
+    kv_heads: int
+    head_dim: int
+    batch: int = 1
+    dtype_bytes: int = 2
+    causal: bool = True
+
+
+@dataclass(frozen=True)
+class Prediction:
+    ulysses_size: int
+    team_size: int
+    transfer: str
+    time_s: float
+    compute_s: float
+    exposed_comm_s: float
+    internode_bytes: float  # per node, forward + backward
+
+    @property
+    def name(self) -> str:
+        core = "ring" if self.team_size == 1 and self.transfer == "ring" else (
+            "tasp" if self.team_size == 1 else f"startrail-{self.team_size}")
+        if self.transfer == "multiring" and self.team_size > 1:
+            core += "-multiring"
+        return core if self.ulysses_size == 1 else f"ulysses-{self.ulysses_size}x{core}"
+
+
+def _exchange_time(cluster: ClusterSpec, sends: list[tuple[int, int, float]], lanes: int = 1) -> tuple[float, float]:
+    """Time of one round of concurrent sends ``(src cp rank, dst cp rank, bytes)``, and its
+    inter-node bytes per node (max). ``lanes`` > 1: each rank's intra-node bytes spread over
+    that many links (TASP's concurrent rings)."""
+    intra: dict[int, float] = {}
+    inter_node: dict[int, float] = {}
+    inter_rank: dict[int, float] = {}
+    for src, dst, nbytes in sends:
+        if src == dst or nbytes == 0:
+            continue
+        if cluster.node_of(src) == cluster.node_of(dst):
+            intra[src] = intra.get(src, 0.0) + nbytes
+        else:
+            node = cluster.node_of(src)
+            inter_node[node] = inter_node.get(node, 0.0) + nbytes
+            inter_rank[src] = inter_rank.get(src, 0.0) + nbytes
+    t = 0.0
+    if intra:
+        t = max(t, max(intra.values()) / lanes / (cluster.intra_node_gbs * 1e9) + cluster.intra_latency_s)
+    if inter_node:
+        per_nic = cluster.inter_node_gbs * 1e9 / cluster.nics_per_node
+        t = max(t, max(inter_node.values()) / (cluster.inter_node_gbs * 1e9) + cluster.inter_latency_s,
+                max(inter_rank.values()) / per_nic + cluster.inter_latency_s)
+    return t, max(inter_node.values(), default=0.0)
+
+
+def _collective_time(cluster: ClusterSpec, groups: list[list[int]], bytes_per_rank: float) -> tuple[float, float]:
+    """A bandwidth-optimal collective moving ``bytes_per_rank`` per rank within each group
+    (priced as a ring over the group's members)."""
+    sends = []
+    for g in groups:
+        if len(g) > 1:
+            for i, r in enumerate(g):
+                sends.append((r, g[(i + 1) % len(g)], bytes_per_rank))
+    return _exchange_time(cluster, sends)
+
+
+def predict(cluster: ClusterSpec, work: Workload, cp_size: int, team_size: int, ulysses_size: int = 1,
+            transfer: str = "ring") -> Prediction:
+    """Predicted forward+backward time of one attention layer on one CP group."""
+    u, c = ulysses_size, team_size
+    s_size = cp_size // u
+    topo = StarTrailTopology(s_size, c)
+    g = topo.sub_ring_size
+    shape = AttentionShape(work.seq_length // cp_size, work.batch, work.heads, work.kv_heads, work.head_dim,
+                           work.dtype_bytes)
+    e, a = shape.dtype_bytes, shape.acc_bytes
+    s = shape.seq_local * u
+    heads, kv_heads = work.heads // u, ulysses_kv_heads(work.kv_heads, u) // u
+    eq = s * work.batch * heads * work.head_dim  # one StarTrail rank's Q elements
+    ekv = s * work.batch * kv_heads * work.head_dim
+    el = s * work.batch * heads
+    cp_rank = lambda pos, uly=0: pos * u + uly  # noqa: E731 - StarTrail position -> CP rank
+    positions = range(s_size)
+
+    # Compute: a rank's share of the attention FLOPs, spread over the G sub-ring steps.
+    flops_fwd = 4 * work.batch * work.heads * work.seq_length**2 * work.head_dim / cp_size
+    if work.causal:
+        flops_fwd /= 2
+    rate = cluster.attention_tflops * 1e12
+    compute_fwd, compute_bwd = flops_fwd / rate, BACKWARD_FLOPS_RATIO * flops_fwd / rate
+    total, inter_bytes = 0.0, 0.0
+
+    def add(t_and_bytes):
+        nonlocal total, inter_bytes
+        total += t_and_bytes[0]
+        inter_bytes += t_and_bytes[1]
+
+    all_uly = [[cp_rank(p, x) for x in range(u)] for p in positions]
+    teams = [[cp_rank(p, x) for p in team] for x in range(u) for team in topo.teams()]
+    # Ulysses all-to-alls: q, k, v in and the output back, each way (fwd and bwd).
+    if u > 1:
+        uly_bytes = (u - 1) / u * (2 * eq + 2 * ekv) * e
+        add(_collective_time(cluster, all_uly, 2 * uly_bytes))
+    # Forward: team all-gather of q, k, v; merge all-to-all of out and lse.
+    if c > 1:
+        add(_collective_time(cluster, teams, (c - 1) * (eq + 2 * ekv) * e))
+        add(_collective_time(cluster, teams, (c - 1) * (eq * e + el * a)))
+    # Initial send (forward K, V; backward dK, dV in the accumulator dtype).
+    for nbytes in (2 * c * ekv * e, 2 * c * ekv * a):
+        add(_exchange_time(cluster, [(cp_rank(p, x), cp_rank(topo.init_send_dst(p), x), nbytes)
+                                     for p in positions for x in range(u)]))
+    # Sub-ring steps, overlapped with the compute of the step they feed.
+    # Multi-ring (TASP): G-1 concurrent rings, so a rank's sub-ring bytes use G-1 links.
+    lanes = max(1, g - 1) if transfer == "multiring" else 1
+    rotation = choose_backward_rotation(shape, u, c)
+    per_step_bwd = backward_p2p_bytes_per_step(shape, u, c)[rotation]
+    for phase_bytes, compute, sends_per_step in ((2 * c * ekv * e, compute_fwd, g - 1), (per_step_bwd, compute_bwd, g)):
+        comm_t, comm_b = _exchange_time(
+            cluster, [(cp_rank(p, x), cp_rank(topo.ring_next(p), x), phase_bytes) for p in positions for x in range(u)],
+            lanes,
+        )
+        total += max(compute, sends_per_step * comm_t) if sends_per_step else compute
+        inter_bytes += sends_per_step * comm_b
+    # Backward: all-gather dO, out, lse; reduce-scatter dQ, dK, dV.
+    if c > 1:
+        add(_collective_time(cluster, teams, (c - 1) * (2 * eq * e + el * a)))
+        add(_collective_time(cluster, teams, (c - 1) * (eq + 2 * ekv) * a))
+    compute = compute_fwd + compute_bwd
+    return Prediction(u, c, transfer, total, compute, max(0.0, total - compute), inter_bytes)
+
+
+def plan(cluster: ClusterSpec, work: Workload, cp_size: int, *, transfers=("ring",)) -> list[Prediction]:
+    """Every valid (U, C, transfer), fastest first."""
+    out = []
+    for u in range(1, cp_size + 1):
+        if cp_size % u or work.heads % u or (work.kv_heads % u and u % work.kv_heads):
+            continue
+        for c in valid_team_sizes(cp_size // u):
+            for transfer in transfers:
+                out.append(predict(cluster, work, cp_size, c, u, transfer))
+    return sorted(out, key=lambda p: p.time_s)
+
+
+def choose_team_size(*, cp_size: int, ulysses_size: int, gpus_per_node: int, seq_length: int, num_heads: int,
+                     num_kv_heads: int, head_dim: int, micro_batch_size: int, dtype_bytes: int,
+                     cluster: ClusterSpec | None = None) -> int:
+    """The team size the planner predicts fastest for this CP size and Ulysses degree.
+
+    Without ``cluster``: ``gpus_per_node`` GPUs per node with NVLink-class links inside
+    and 8 x 400 Gbit/s (InfiniBand) between nodes; the ranking depends on the ratio of
+    the two far more than on their absolute values.
+    """
+    if cluster is None:
+        nodes = max(1, -(-cp_size // gpus_per_node))
+        cluster = ClusterSpec(nodes=nodes, gpus_per_node=gpus_per_node)
+    work = Workload(seq_length, num_heads, num_kv_heads, head_dim, micro_batch_size, dtype_bytes)
+    best = min(
+        (predict(cluster, work, cp_size, c, ulysses_size) for c in valid_team_sizes(cp_size // ulysses_size)),
+        key=lambda p: p.time_s,
+    )
+    return best.team_size
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--gpus-per-node", type=int, required=True)
+    p.add_argument("--intra-node-gbs", type=float, default=300.0, help="GB/s per GPU per direction")
+    p.add_argument("--inter-node-gbps", type=float, default=3200.0, help="Gbit/s per node, all NICs")
+    p.add_argument("--nics-per-node", type=int, default=8)
+    p.add_argument("--attention-tflops", type=float, default=150.0)
+    p.add_argument("--cp-size", type=int, required=True)
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--seq-length", type=int, required=True)
+    p.add_argument("--heads", type=int, required=True, help="attention heads (before TP)")
+    p.add_argument("--kv-heads", type=int, default=None)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dtype-bytes", type=int, default=2)
+    p.add_argument("--no-causal", action="store_true")
+    args = p.parse_args()
+    cluster = ClusterSpec(args.nodes, args.gpus_per_node, args.intra_node_gbs, args.inter_node_gbps / 8,
+                          args.nics_per_node, attention_tflops=args.attention_tflops, cp_stride=args.tp_size)
+    work = Workload(args.seq_length, args.heads // args.tp_size, (args.kv_heads or args.heads) // args.tp_size,
+                    args.head_dim, args.batch, args.dtype_bytes, not args.no_causal)
+    print(f"{'configuration':28} {'time ms':>9} {'compute ms':>11} {'exposed comm ms':>16} {'inter-node MiB/node':>20}")
+    for pred in plan(cluster, work, args.cp_size):
+        print(f"{pred.name:28} {pred.time_s * 1e3:9.2f} {pred.compute_s * 1e3:11.2f} "
+              f"{pred.exposed_comm_s * 1e3:16.2f} {pred.internode_bytes / 2**20:20.1f}")
+
+
+if __name__ == "__main__":
+    main()
+
