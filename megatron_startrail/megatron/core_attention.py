@@ -21,7 +21,7 @@ from ..attention import startrail_attn
 from ..groups import StarTrailGroups
 
 # Causal masks are applied by the schedule (the mask tensor, if any, is not needed);
-# "no mask" / "padding" work only without an actual mask tensor.
+# "no mask" / "padding" mean full attention and work only without an actual mask tensor.
 _CAUSAL = (AttnMaskType.causal,)
 _NO_MASK = (AttnMaskType.no_mask, AttnMaskType.padding)
 
@@ -84,11 +84,14 @@ class StarTrailCoreAttention(MegatronModule):
             raise ValueError("attention bias is not supported with StarTrail")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         if mask_type in _CAUSAL:
-            causal = True
+            causal = True  # a causal mask tensor, if given, is the default one: not needed
         elif mask_type in _NO_MASK and attention_mask is None:
-            causal = True
+            causal = False  # full attention (e.g. DiT)
         else:
-            raise ValueError(f"attention mask type {mask_type} is not supported with StarTrail (causal or none)")
+            raise ValueError(
+                f"attention mask type {mask_type} with a mask tensor is not supported with StarTrail "
+                "(causal, or no mask)"
+            )
         # [s/CP, b, np, hn] -> [s/CP, b, np, hn]
         out = startrail_attn(
             query, key, value, self.startrail_groups,

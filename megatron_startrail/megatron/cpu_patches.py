@@ -2,24 +2,30 @@
 
 megatron-core assumes CUDA in a handful of places (DESIGN.md section 5 lists them).
 Everything that works around that lives here, and nothing here is used when a GPU is
-present: :func:`apply` refuses to run when ``torch.cuda.is_available()``.
+present: :func:`apply` refuses to run when ``torch.cuda.is_available()``, and the
+example calls it only on CPU-only machines.
 
-Two stages, because one blocker is at import time:
+Stages, because one blocker is at import time:
 
 - :func:`install_import_shims` (before ``import megatron``): ``typing.override`` for
   Python 3.11 (``megatron.training`` imports it from ``typing``, new in 3.12), and a
   stand-in for ``megatron.core.transformer.moe.ops.paged_stash``, which imports
   ``triton`` unguarded (a fake top-level ``triton`` would break torch's inductor).
 - :func:`apply` (after import): the model-parallel RNG tracker on CPU generator states,
-  ``torch.cuda`` stream/synchronize/device helpers as no-ops, and a
-  ``TorchFunctionMode`` that maps every ``device="cuda"`` / ``.cuda()`` /
+  ``torch.cuda`` stream/synchronize/device/RNG helpers as no-ops, grad clipping without
+  the CUDA-tensor assertion, ``megatron.training``'s CUDA checks and JIT warm-up off,
+  and a ``TorchFunctionMode`` that maps every ``device="cuda"`` / ``.cuda()`` /
   ``pin_memory=True`` to the CPU, which covers the hard-coded CUDA allocations in one
   place.
+- :func:`adapt_args` / :func:`adapt_config`: the fused CUDA kernels off in Megatron's
+  parsed arguments or in a ``TransformerConfig``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 import sys
 import types
 import typing
@@ -145,6 +151,45 @@ def _patch_rng_tracker() -> None:
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
 
 
+def _patch_grad_clipping() -> None:
+    """Megatron's clipping asserts ``torch.cuda.FloatTensor`` grads; same math on the CPU."""
+    from megatron.core.optimizer import optimizer as moptimizer  # noqa: PLC0415
+
+    def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+        attr = "decoupled_grad" if use_decoupled_grad else "grad"
+        grads = [getattr(p, attr) for p in parameters if getattr(p, attr, None) is not None]
+        clip_coeff = max_norm / (total_norm + 1.0e-6)
+        if isinstance(clip_coeff, torch.Tensor):
+            clip_coeff = clip_coeff.clamp_max(1.0)
+        elif clip_coeff >= 1.0:
+            return
+        for g in grads:
+            g.detach().mul_(clip_coeff)
+
+    moptimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+
+
+def _patch_megatron_training() -> None:
+    """``megatron.training`` (``parse_args``, ``pretrain``) on the CPU; absent before 0.17."""
+    try:
+        from megatron.training import arguments as training_arguments  # noqa: PLC0415
+        from megatron.training import initialize as training_initialize  # noqa: PLC0415
+        from megatron.training import training as training_loop  # noqa: PLC0415
+    except ImportError:  # megatron-core without megatron.training (0.16.x)
+        return
+    # validate_args asks for the GPU architecture ...
+    training_arguments.get_device_arch_version = lambda: 0
+    # ... and insists on this CUDA setting for TP/CP (meaningless on the CPU).
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    # pretrain asserts CUDA unless initialize_megatron is told otherwise.
+    training_loop.initialize_megatron = functools.partial(
+        training_initialize.initialize_megatron, allow_no_cuda=True
+    )
+    # The JIT warm-up runs the fused bias-GeLU/dropout kernels on CUDA tensors; there is
+    # nothing to warm up on the CPU, where those fusions are off (adapt_args).
+    training_loop.set_jit_fusion_options = lambda *args, **kwargs: None
+
+
 def apply() -> None:
     """Patch megatron-core and ``torch.cuda`` for a CPU-only run; idempotent."""
     if torch.cuda.is_available():
@@ -153,6 +198,7 @@ def apply() -> None:
         return
     install_import_shims()
     _patch_rng_tracker()
+    _patch_grad_clipping()
     torch.cuda.current_device = lambda: 0
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_stream = lambda *a, **k: _NoStream()
@@ -165,6 +211,10 @@ def apply() -> None:
     torch.cuda.device_count = lambda: 0
     torch.cuda.set_device = lambda *a, **k: None
     torch.cuda.empty_cache = lambda: None
+    # Megatron's rerun state machine saves and restores the CUDA RNG with the CPU one.
+    torch.cuda.get_rng_state = lambda *a, **k: torch.empty(0, dtype=torch.uint8)
+    torch.cuda.set_rng_state = lambda *a, **k: None
+    _patch_megatron_training()
     mode = CudaToCpuMode()
     mode.__enter__()  # for the life of the process
     _state["mode"] = mode
@@ -172,3 +222,34 @@ def apply() -> None:
 
 def is_applied() -> bool:
     return _state["mode"] is not None
+
+
+# Fused CUDA/apex kernels that megatron.training turns on by default.
+_GPU_ONLY_FUSIONS = (
+    "gradient_accumulation_fusion",
+    "persist_layer_norm",
+    "apply_rope_fusion",
+    "masked_softmax_fusion",
+    "bias_dropout_fusion",
+    "bias_activation_fusion",
+    "cross_entropy_loss_fusion",
+)
+
+
+def adapt_args(args) -> None:
+    """CPU values for Megatron's parsed arguments (before ``validate_args``)."""
+    for name in _GPU_ONLY_FUSIONS + ("bias_gelu_fusion", "bias_swiglu_fusion"):
+        if hasattr(args, name):
+            setattr(args, name, False)
+    args.no_persist_layer_norm = True
+    args.use_cpu_initialization = True
+    args.distributed_backend = "gloo"
+    args.transformer_impl = "local"  # Transformer Engine is GPU-only
+
+
+def adapt_config(config) -> None:
+    """Turn off the GPU-only fusions and synchronizations in a ``TransformerConfig``."""
+    for name in _GPU_ONLY_FUSIONS:
+        if hasattr(config, name):
+            setattr(config, name, False)
+    config.batch_p2p_sync = False

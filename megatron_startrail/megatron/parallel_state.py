@@ -5,33 +5,65 @@ Call :func:`initialize_startrail` once, on every rank, right after
 a CP group is the set of ranks sharing TP, DP and PP coordinates, and StarTrail's
 teams, sub-rings and Ulysses groups are built inside every one of them, so StarTrail
 composes with tensor, pipeline and data parallelism.
+
+Like Megatron's own ``initialize_model_parallel``: first pure rank math
+(:func:`context_parallel_groups`, Megatron's ``RankGenerator``), then one collective
+pass that creates every group on every rank in the same order.
 """
 
 from __future__ import annotations
 
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.parallel_state import RankGenerator
 
 from ..groups import StarTrailGroups, new_startrail_groups
 
+DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 
-def all_cp_groups() -> list[list[int]]:
-    """Every CP group of the grid (global ranks in CP-rank order), the same list on every rank.
 
-    Collected from the groups Megatron built rather than recomputed, so it follows
-    whatever order and sizes ``initialize_model_parallel`` was given.
+def context_parallel_groups(
+    world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, order: str = DEFAULT_ORDER
+) -> list[list[int]]:
+    """Pure: every CP group of the dense grid (global ranks in CP-rank order).
+
+    The same lists ``initialize_model_parallel`` builds for these sizes and order.
     """
-    mine = list(parallel_state.get_context_parallel_global_ranks())
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
-    return [list(g) for g in sorted({tuple(g) for g in gathered})]
+    if world_size % (tp * pp * cp) != 0:
+        raise ValueError(
+            f"world size {world_size} is not divisible by tensor ({tp}) x pipeline ({pp}) x "
+            f"context ({cp}) parallel sizes"
+        )
+    dp = world_size // (tp * pp * cp)
+    return RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order=order).get_ranks("cp")
 
 
-def initialize_startrail(team_size: int, ulysses_size: int = 1, **options) -> StarTrailGroups:
-    """Build the StarTrail groups of every CP group; collective, once per process."""
+def initialize_startrail(
+    team_size: int, ulysses_size: int = 1, *, order: str = DEFAULT_ORDER, **options
+) -> StarTrailGroups:
+    """Build the StarTrail groups of every CP group; collective, once per process.
+
+    ``order`` must be the one given to ``initialize_model_parallel`` (Megatron's default,
+    or ``tp-cp-ep-pp-dp`` with ``--use-tp-pp-dp-mapping``). ``options`` go to
+    :func:`megatron_startrail.new_startrail_groups` (``backward_rotation``, ``kernel``).
+    """
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("call parallel_state.initialize_model_parallel before initialize_startrail")
-    groups = new_startrail_groups(all_cp_groups(), team_size=team_size, ulysses_size=ulysses_size, **options)
-    # The data layout comes from get_batch_on_this_cp_rank, which uses Megatron's CP rank.
+    cp_groups = context_parallel_groups(
+        dist.get_world_size(),
+        tp=parallel_state.get_tensor_model_parallel_world_size(),
+        pp=parallel_state.get_pipeline_model_parallel_world_size(),
+        cp=parallel_state.get_context_parallel_world_size(),
+        order=order,
+    )
+    # The data layout comes from get_batch_on_this_cp_rank, which uses Megatron's CP group:
+    # refuse to build StarTrail groups that would disagree with it.
+    mine = list(parallel_state.get_context_parallel_global_ranks())
+    if mine not in cp_groups:
+        raise ValueError(
+            f"Megatron's CP group of rank {dist.get_rank()} is {mine}, not one of the CP groups of "
+            f"order {order!r}: pass the order given to initialize_model_parallel"
+        )
+    groups = new_startrail_groups(cp_groups, team_size=team_size, ulysses_size=ulysses_size, **options)
     assert groups.cp_rank == parallel_state.get_context_parallel_rank()
     return groups

@@ -31,7 +31,9 @@ def concat_batches(batches):
 
 def worker(rank, world_size, tp, pp, cp, team_size, ulysses, query_groups):
     """Train STEPS steps of SGD; return per-step losses and the first step's grads (rank-0 of DPxCP)."""
-    Utils.initialize_model_parallel(tp=tp, pp=pp, cp=cp)
+    Utils.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp
+    )
     model = tiny_gpt(tp, pp, cp, team_size, ulysses, query_groups)
     weights = {n: p.detach().double().sum().item() for n, p in model.named_parameters()}
     dp = parallel_state.get_data_parallel_world_size(with_context_parallel=False)

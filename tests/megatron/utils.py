@@ -6,11 +6,18 @@ runs on CPU with gloo, through ``megatron_startrail.megatron.cpu_patches``.
 
 from __future__ import annotations
 
+import inspect
+
 from megatron_startrail.megatron import cpu_patches
 
 cpu_patches.install_import_shims()
 
 import torch  # noqa: E402
+
+try:  # imported here so that forked ranks inherit it (megatron-core >= 0.17 ships it)
+    import megatron.training  # noqa: F401
+except ImportError:  # 0.16.x: megatron.core only
+    pass
 import torch.distributed as dist  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
@@ -27,14 +34,23 @@ VOCAB, SEQ, HIDDEN, HEADS, LAYERS = 128, 64, 64, 8, 2
 
 
 class Utils:
-    """Initialize / destroy model-parallel state on an already initialized gloo world."""
+    """Initialize / destroy model-parallel state, like Megatron's ``tests/unit_tests`` ``Utils``.
+
+    Here the world is the gloo one ``tests.multiproc.run_ranks`` already initialized, and
+    megatron-core runs on the CPU through ``cpu_patches``.
+    """
 
     @staticmethod
-    def initialize_model_parallel(tp=1, pp=1, cp=1, seed=123):
+    def initialize_model_parallel(
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1, seed=123, **kwargs
+    ):
         cpu_patches.apply()
         parallel_state.destroy_model_parallel()
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp
+            tensor_model_parallel_size=tensor_model_parallel_size,
+            pipeline_model_parallel_size=pipeline_model_parallel_size,
+            context_parallel_size=context_parallel_size,
+            **kwargs,
         )
         model_parallel_cuda_manual_seed(seed)
 
@@ -77,6 +93,13 @@ def sample_batch(sample: int, batch: int = 1):
     }
 
 
+def cp_shard(batch, cp_group):
+    """``get_batch_on_this_cp_rank``: 0.19 added an ``is_hybrid_cp`` argument before ``cp_group``."""
+    if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters:
+        return get_batch_on_this_cp_rank(batch, False, cp_group)
+    return get_batch_on_this_cp_rank(batch, cp_group=cp_group)  # megatron-core 0.16.x
+
+
 def forward_backward(model, batch):
     """One pipeline schedule over one microbatch; returns the summed masked loss (last stage).
 
@@ -84,7 +107,7 @@ def forward_backward(model, batch):
     full-sequence loss; gradients likewise sum over the CP (and DP) group.
     """
     seq_length, micro_batch = batch["tokens"].shape[1], batch["tokens"].shape[0]  # before the CP split
-    batch = get_batch_on_this_cp_rank(dict(batch), False, parallel_state.get_context_parallel_group())
+    batch = cp_shard(dict(batch), parallel_state.get_context_parallel_group())
 
     def forward_step(data_iterator, model):
         b = next(data_iterator)

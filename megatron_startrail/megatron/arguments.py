@@ -1,0 +1,173 @@
+"""Command-line flags for StarTrail, registered through Megatron's ``extra_args_provider``.
+
+An unmodified Megatron accepts them::
+
+    from megatron.training.arguments import parse_args
+    args = parse_args(extra_args_provider=add_startrail_args)
+    validate_startrail_args(args)          # after Megatron's own validate_args
+
+``--context-parallel-algo megatron`` (the default) leaves Megatron's own context
+parallelism untouched; ``startrail`` swaps the core attention of the GPT layer spec;
+``tasp`` is the same module with team size 1 and the multi-ring transfer (TASP).
+Validation is a pure function of the parsed namespace: every error is a ValueError that
+names the flag to change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from ..groups import BACKWARD_ROTATIONS
+from ..topology import valid_team_sizes
+from ..transfer import TRANSFERS
+
+ALGOS = ("megatron", "startrail", "tasp")
+AUTO = "auto"
+
+
+def _team_size(value: str):
+    if value == AUTO:
+        return AUTO
+    try:
+        size = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or '{AUTO}', got {value!r}") from None
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or '{AUTO}', got {value!r}")
+    return size
+
+
+def add_startrail_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The ``extra_args_provider``: adds the StarTrail flags and returns the parser."""
+    group = parser.add_argument_group(title="StarTrail context parallelism")
+    group.add_argument(
+        "--context-parallel-algo", choices=ALGOS, default="megatron",
+        help="Attention across the context-parallel group: 'megatron' (Megatron's own CP, "
+        "the default), 'startrail' (concentric rings) or 'tasp' (StarTrail with team size 1 "
+        "and the multi-ring transfer); the last two need --context-parallel-size > 1.",
+    )
+    group.add_argument(
+        "--startrail-team-size", type=_team_size, default=AUTO, metavar="C",
+        help="StarTrail team size C (C*C must divide CP / U; C=1 is ring attention), or "
+        "'auto' to let megatron_startrail.planner choose it.",
+    )
+    group.add_argument(
+        "--ulysses-degree-in-cp", type=int, default=1, metavar="U",
+        help="Split every CP group into Ulysses all-to-all groups of U consecutive ranks and a "
+        "StarTrail group of CP / U ranks across them (default 1: StarTrail only).",
+    )
+    group.add_argument(
+        "--startrail-transfer", choices=TRANSFERS, default="ring",
+        help="How a sub-ring step moves data: 'ring' (StarTrail) or 'multiring' (TASP: spread "
+        "over the arc-disjoint rings of the sub-ring's ranks).",
+    )
+    group.add_argument(
+        "--startrail-backward-rotation", choices=BACKWARD_ROTATIONS, default="auto",
+        help="What circulates in the backward sub-ring: 'q' (Q, dO, out, lse, dQ; the paper's "
+        "choice), 'kv' (K, V, dK, dV), or 'auto' (whichever moves fewer bytes for these shapes).",
+    )
+    return parser
+
+
+def _kv_heads_per_tp_rank(args) -> int:
+    groups = args.num_query_groups if getattr(args, "group_query_attention", False) else None
+    groups = groups or args.num_attention_heads
+    # Megatron keeps one K/V head per TP rank when there are fewer groups than TP ranks.
+    return max(1, groups // args.tensor_model_parallel_size)
+
+
+def validate_startrail_args(args) -> None:
+    """Check the StarTrail flags against the parallel layout; resolve ``--startrail-team-size auto``.
+
+    Call after Megatron's ``validate_args``. Raises ValueError naming the flag to change.
+    """
+    cp, u, algo = args.context_parallel_size, args.ulysses_degree_in_cp, args.context_parallel_algo
+    if algo == "megatron":
+        if u != 1:
+            raise ValueError("--ulysses-degree-in-cp applies to --context-parallel-algo startrail only; drop it")
+        return
+    if cp < 2:
+        raise ValueError(
+            f"--context-parallel-algo {algo} needs --context-parallel-size > 1 "
+            f"(got {cp}); for a run without context parallelism use --context-parallel-algo megatron"
+        )
+    if algo == "tasp":
+        if args.startrail_team_size not in (AUTO, 1):
+            raise ValueError(
+                f"--context-parallel-algo tasp is StarTrail with --startrail-team-size 1 "
+                f"(got {args.startrail_team_size}); for larger teams use --context-parallel-algo startrail"
+            )
+        args.startrail_team_size, args.startrail_transfer = 1, "multiring"
+    if u < 1 or cp % u != 0:
+        raise ValueError(f"--ulysses-degree-in-cp {u} must divide --context-parallel-size {cp}")
+    tp = args.tensor_model_parallel_size
+    heads, kv_heads = args.num_attention_heads // tp, _kv_heads_per_tp_rank(args)
+    if heads % u != 0:
+        raise ValueError(
+            f"--ulysses-degree-in-cp {u} must divide the attention heads of a tensor-parallel rank: "
+            f"--num-attention-heads {args.num_attention_heads} / --tensor-model-parallel-size {tp} = {heads}"
+        )
+    if kv_heads % u != 0:
+        raise ValueError(
+            f"--ulysses-degree-in-cp {u} must divide the query groups (K/V heads) of a tensor-parallel "
+            f"rank: --num-query-groups {args.num_query_groups} / --tensor-model-parallel-size {tp} "
+            f"gives {kv_heads}"
+        )
+    if args.seq_length % (2 * cp) != 0:
+        raise ValueError(
+            f"--seq-length {args.seq_length} must be divisible by 2 * --context-parallel-size = {2 * cp} "
+            "(Megatron's CP layout cuts the sequence into 2*CP chunks)"
+        )
+    if getattr(args, "hierarchical_context_parallel_sizes", None):
+        raise ValueError(
+            "--hierarchical-context-parallel-sizes configures Megatron's own a2a+p2p context "
+            f"parallelism; with --context-parallel-algo {algo} use --ulysses-degree-in-cp U instead"
+        )
+    if getattr(args, "attention_dropout", 0.0):
+        raise ValueError(
+            f"--attention-dropout {args.attention_dropout} is not supported with "
+            f"--context-parallel-algo {algo}: set --attention-dropout 0"
+        )
+    if getattr(args, "reset_attention_mask", False):
+        raise ValueError(
+            f"--reset-attention-mask (document masks) is not supported with --context-parallel-algo "
+            f"{algo}, which applies the causal mask itself"
+        )
+    if args.startrail_team_size == AUTO:
+        args.startrail_team_size = _auto_team_size(args, heads, kv_heads)
+    size = cp // u
+    valid = valid_team_sizes(size)
+    if args.startrail_team_size not in valid:
+        raise ValueError(
+            f"--startrail-team-size {args.startrail_team_size} does not fit a StarTrail group of "
+            f"{size} ranks (--context-parallel-size {cp} / --ulysses-degree-in-cp {u}): C*C must "
+            f"divide {size}; valid values: {valid}"
+        )
+
+
+def _auto_team_size(args, heads: int, kv_heads: int) -> int:
+    try:
+        from ..planner import choose_team_size  # noqa: PLC0415 - optional module
+    except ImportError as err:
+        raise ValueError(
+            "--startrail-team-size auto needs megatron_startrail.planner; pass an integer team size"
+        ) from err
+    tp = args.tensor_model_parallel_size
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size))
+    # Ranks are ordered tp-cp-...: a node of N ranks holds N / TP consecutive positions of a CP group.
+    cp_ranks_per_node = max(1, local_ranks // tp)
+    dtype_bytes = 2 if (getattr(args, "bf16", False) or getattr(args, "fp16", False)) else 4
+    return int(
+        choose_team_size(
+            cp_size=args.context_parallel_size,
+            ulysses_size=args.ulysses_degree_in_cp,
+            gpus_per_node=cp_ranks_per_node,
+            seq_length=args.seq_length,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=args.kv_channels or args.hidden_size // args.num_attention_heads,
+            micro_batch_size=args.micro_batch_size,
+            dtype_bytes=dtype_bytes,
+        )
+    )

@@ -1,0 +1,101 @@
+"""The StarTrail flags through Megatron's own, unmodified parser, and their validation errors."""
+
+import importlib.util
+import re
+
+import pytest
+
+from tests.megatron.utils import cpu_patches  # noqa: F401  (import shims before megatron.training)
+
+from megatron.training.arguments import parse_args  # noqa: E402
+
+from megatron_startrail.megatron.arguments import add_startrail_args, validate_startrail_args  # noqa: E402
+
+BASE = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--seq-length", "256",
+    "--max-position-embeddings", "256", "--micro-batch-size", "1", "--global-batch-size", "1",
+    "--train-iters", "1", "--lr", "1e-3", "--attention-dropout", "0",
+]
+
+
+def parse(monkeypatch, *extra):
+    monkeypatch.setattr("sys.argv", ["pretrain_gpt.py", *BASE, *extra])
+    return parse_args(extra_args_provider=add_startrail_args)
+
+
+def test_megatron_parser_accepts_the_flags(monkeypatch):
+    args = parse(monkeypatch, "--context-parallel-size", "8", "--context-parallel-algo", "startrail",
+                 "--startrail-team-size", "2", "--ulysses-degree-in-cp", "2")
+    assert (args.context_parallel_algo, args.startrail_team_size, args.ulysses_degree_in_cp) == ("startrail", 2, 2)
+    validate_startrail_args(args)
+    assert args.startrail_team_size == 2
+
+
+def test_defaults_leave_megatron_alone(monkeypatch):
+    args = parse(monkeypatch, "--context-parallel-size", "2")
+    assert (args.context_parallel_algo, args.startrail_team_size, args.ulysses_degree_in_cp) == ("megatron", "auto", 1)
+    validate_startrail_args(args)  # Megatron's own CP: nothing to check, nothing changed
+    assert args.startrail_team_size == "auto"
+
+
+def test_tasp_is_startrail_with_team_size_one_and_multiring(monkeypatch):
+    args = parse(monkeypatch, "--context-parallel-size", "8", "--context-parallel-algo", "tasp")
+    validate_startrail_args(args)
+    assert (args.startrail_team_size, args.startrail_transfer) == (1, "multiring")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("megatron_startrail.planner") is None, reason="planner not present")
+def test_auto_team_size_asks_the_planner(monkeypatch):
+    from megatron_startrail.planner import choose_team_size  # noqa: PLC0415
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    args = parse(monkeypatch, "--context-parallel-size", "16", "--context-parallel-algo", "startrail",
+                 "--tensor-model-parallel-size", "2", "--seq-length", "4096", "--max-position-embeddings", "4096")
+    validate_startrail_args(args)
+    expected = choose_team_size(cp_size=16, ulysses_size=1, gpus_per_node=4, seq_length=4096, num_heads=4,
+                                num_kv_heads=4, head_dim=8, micro_batch_size=1, dtype_bytes=4)
+    assert args.startrail_team_size == expected and expected in (1, 2, 4)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        # an algo that needs CP > 1
+        (["--context-parallel-size", "1"], "--context-parallel-size > 1"),
+        (["--context-parallel-size", "1", "--context-parallel-algo", "tasp"], "--context-parallel-size > 1"),
+        # team size not fitting the CP size
+        (["--context-parallel-size", "8", "--startrail-team-size", "4"], "--startrail-team-size 4"),
+        (["--context-parallel-size", "8", "--startrail-team-size", "2", "--ulysses-degree-in-cp", "4"],
+         "--startrail-team-size 2"),
+        (["--context-parallel-size", "8", "--context-parallel-algo", "tasp", "--startrail-team-size", "2"],
+         "--startrail-team-size 1"),
+        # --seq-length not divisible by 2 * CP
+        (["--context-parallel-size", "4", "--seq-length", "252", "--max-position-embeddings", "252"],
+         "--seq-length 252"),
+        # Ulysses degree vs CP size, heads and query groups after tensor parallelism
+        (["--context-parallel-size", "8", "--ulysses-degree-in-cp", "3"], "--ulysses-degree-in-cp 3"),
+        (["--context-parallel-size", "8", "--tensor-model-parallel-size", "2", "--ulysses-degree-in-cp", "8"],
+         "--num-attention-heads 8 / --tensor-model-parallel-size 2"),
+        (["--context-parallel-size", "8", "--ulysses-degree-in-cp", "2", "--group-query-attention",
+          "--num-query-groups", "3", "--num-attention-heads", "6", "--hidden-size", "48"], "--num-query-groups 3"),
+        (["--context-parallel-size", "2", "--context-parallel-algo", "megatron", "--ulysses-degree-in-cp", "2"],
+         "--ulysses-degree-in-cp"),
+        # what the StarTrail core attention cannot do
+        (["--context-parallel-size", "4", "--attention-dropout", "0.1"], "--attention-dropout 0"),
+        (["--context-parallel-size", "4", "--reset-attention-mask"], "--reset-attention-mask"),
+        (["--context-parallel-size", "4", "--hierarchical-context-parallel-sizes", "2", "2"],
+         "--ulysses-degree-in-cp U instead"),
+    ],
+)
+def test_validation_errors_name_the_flag(monkeypatch, flags, message):
+    algo = [] if "--context-parallel-algo" in flags else ["--context-parallel-algo", "startrail"]
+    args = parse(monkeypatch, *algo, *flags)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        validate_startrail_args(args)
+
+
+def test_bad_flag_values_are_rejected_by_the_parser(monkeypatch):
+    for flags in (["--startrail-team-size", "two"], ["--startrail-team-size", "0"],
+                  ["--context-parallel-algo", "ring"]):
+        with pytest.raises(SystemExit):
+            parse(monkeypatch, *flags)

@@ -1,0 +1,149 @@
+"""StarTrail core attention: Megatron's signatures, the spec helper, and exact outputs."""
+
+import functools
+import inspect
+import types
+
+import pytest
+import torch
+
+from tests.megatron.utils import Utils, parallel_state
+from tests.multiproc import run_ranks
+
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.transformer.dot_product_attention import DotProductAttention  # noqa: E402
+from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+from megatron_startrail.megatron.core_attention import StarTrailCoreAttention  # noqa: E402
+from megatron_startrail.megatron.layer_specs import to_startrail_spec  # noqa: E402
+from megatron_startrail.megatron.parallel_state import initialize_startrail  # noqa: E402
+
+# DotProductAttention.__init__ / forward parameters in megatron-core 0.16.1, read from its
+# source (megatron/core/transformer/dot_product_attention.py in the 0.16.1 wheel).
+INIT_0_16_1 = ("config", "layer_number", "attn_mask_type", "attention_type", "attention_dropout",
+               "softmax_scale", "cp_comm_type", "pg_collection")
+FORWARD_0_16_1 = ("query", "key", "value", "attention_mask", "attn_mask_type", "attention_bias",
+                  "packed_seq_params")
+
+
+def params(fn):
+    return [n for n in inspect.signature(fn).parameters if n != "self"]
+
+
+@pytest.mark.parametrize("version, init, forward", [
+    ("installed", tuple(params(DotProductAttention.__init__)), tuple(params(DotProductAttention.forward))),
+    ("0.16.1", INIT_0_16_1, FORWARD_0_16_1),
+])
+def test_signatures_match_megatrons_dot_product_attention(version, init, forward):
+    ours_init, ours_forward = params(StarTrailCoreAttention.__init__), params(StarTrailCoreAttention.forward)
+    # Same leading parameters in the same order (Megatron passes them by keyword; positional
+    # callers still line up), and forward identical.
+    assert tuple(ours_init[: len(init)]) == init, version
+    assert tuple(ours_forward) == forward, version
+    # Our extra constructor arguments are keyword-only (given through ModuleSpec / partial) or optional.
+    for name in ours_init[len(init):]:
+        p = inspect.signature(StarTrailCoreAttention.__init__).parameters[name]
+        assert p.kind is p.KEYWORD_ONLY or p.default is not p.empty, name
+
+
+def attention_cores(spec):
+    layers = spec.layer_specs if hasattr(spec, "layer_specs") else [spec]
+    return [layer.submodules.self_attention.submodules.core_attention for layer in layers]
+
+
+@pytest.mark.parametrize("make_spec", [
+    get_gpt_layer_local_spec,
+    functools.partial(get_gpt_layer_local_spec, qk_layernorm=True),
+], ids=["local", "local_qk_layernorm"])
+def test_spec_helper_swaps_only_core_attention(make_spec):
+    groups = object()  # the helper only passes it on
+    spec = make_spec()
+    new = to_startrail_spec(spec, groups, transfer="multiring")
+    (core,) = attention_cores(new)
+    assert core.func is StarTrailCoreAttention
+    assert core.keywords == {"startrail_groups": groups, "transfer": "multiring"}
+    assert attention_cores(spec) == [DotProductAttention]  # the original is untouched
+    old_attn, new_attn = spec.submodules.self_attention, new.submodules.self_attention
+    assert new_attn.module is old_attn.module and new_attn.params == old_attn.params
+    assert new_attn.submodules.linear_qkv is old_attn.submodules.linear_qkv
+    assert new.submodules.mlp is spec.submodules.mlp
+
+
+def test_spec_helper_on_a_decoder_block_spec():
+    config = TransformerConfig(num_layers=3, hidden_size=64, num_attention_heads=8, use_cpu_initialization=True)
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, pp_rank=0)
+    groups = object()
+    cores = attention_cores(to_startrail_spec(block, groups))
+    assert len(cores) == 3 and all(c.func is StarTrailCoreAttention and c.keywords["startrail_groups"] is groups
+                                   for c in cores)
+    assert attention_cores(block) == [DotProductAttention] * 3
+
+
+def config_for(cp, dropout=0.0):
+    return TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=8, context_parallel_size=cp,
+                             attention_dropout=dropout, use_cpu_initialization=True)
+
+
+def test_constructor_errors_name_the_setting():
+    groups = types.SimpleNamespace(cp_size=4)
+    with pytest.raises(ValueError, match="--attention-dropout 0"):
+        StarTrailCoreAttention(config_for(4, dropout=0.1), 1, AttnMaskType.causal, startrail_groups=groups)
+    with pytest.raises(ValueError, match="--context-parallel-size is 2"):
+        StarTrailCoreAttention(config_for(2), 1, AttnMaskType.causal, startrail_groups=groups)
+    with pytest.raises(ValueError, match="self-attention"):
+        StarTrailCoreAttention(config_for(4), 1, AttnMaskType.causal, "cross", startrail_groups=groups)
+
+
+SEQ, BATCH, HEADS, KV_HEADS, DIM = 64, 2, 4, 2, 16
+
+
+def zigzag(x, cp, cp_rank):
+    """Megatron's CP layout along dim 0: chunks r and 2*CP-1-r of 2*CP."""
+    chunks = x.chunk(2 * cp, dim=0)
+    return torch.cat([chunks[cp_rank], chunks[2 * cp - 1 - cp_rank]])
+
+
+def reference(q, k, v, causal):
+    """Float64 softmax attention on the whole sequence; [s, b, h, d] with GQA."""
+    q, k, v = (t.double().permute(1, 2, 0, 3) for t in (q, k, v))  # [b, h, s, d]
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    scores = q @ k.transpose(-1, -2) / DIM**0.5
+    if causal:
+        scores = scores.masked_fill(torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1), float("-inf"))
+    return (scores.softmax(-1) @ v).permute(2, 0, 1, 3)  # [s, b, h, d]
+
+
+def attention_worker(rank, world_size, team_size, ulysses, mask_type):
+    Utils.initialize_model_parallel(context_parallel_size=world_size)
+    groups = initialize_startrail(team_size, ulysses)
+    config = TransformerConfig(num_layers=1, hidden_size=HEADS * DIM, num_attention_heads=HEADS,
+                               num_query_groups=KV_HEADS, context_parallel_size=world_size,
+                               attention_dropout=0.0, use_cpu_initialization=True)
+    core = StarTrailCoreAttention(config=config, layer_number=1, attn_mask_type=mask_type, attention_type="self",
+                                  cp_comm_type=None, softmax_scale=None, pg_collection=None,
+                                  startrail_groups=groups)
+    gen = torch.Generator().manual_seed(7)
+    full = [torch.randn(SEQ, BATCH, h, DIM, generator=gen) for h in (HEADS, KV_HEADS, KV_HEADS)]
+    grad_full = torch.randn(SEQ, BATCH, HEADS * DIM, generator=gen)
+    cp_rank = parallel_state.get_context_parallel_rank()
+    q, k, v = (zigzag(t, world_size, cp_rank).requires_grad_() for t in full)
+    out = core(q, k, v, None, attn_mask_type=mask_type, attention_bias=None, packed_seq_params=None)
+    out.backward(zigzag(grad_full, world_size, cp_rank))
+
+    ref_inputs = [t.double().requires_grad_() for t in full]
+    ref = reference(*ref_inputs, causal=mask_type == AttnMaskType.causal).reshape(SEQ, BATCH, -1)
+    ref.backward(grad_full.double())
+    errors = [(out.double() - zigzag(ref, world_size, cp_rank)).abs().max().item()]
+    errors += [(t.grad.double() - zigzag(r.grad, world_size, cp_rank)).abs().max().item()
+               for t, r in zip((q, k, v), ref_inputs)]
+    Utils.destroy_model_parallel()
+    return tuple(out.shape), errors
+
+
+@pytest.mark.parametrize("mask_type", [AttnMaskType.causal, AttnMaskType.no_mask], ids=["causal", "no_mask"])
+@pytest.mark.parametrize("team_size, ulysses", [(2, 1), (1, 2)], ids=["C2", "U2xS2"])
+def test_core_attention_is_exact_on_megatrons_cp_shards(mask_type, team_size, ulysses):
+    for shape, errors in run_ranks(attention_worker, 4, args=(team_size, ulysses, mask_type), timeout=120):
+        assert shape == (SEQ // 4, BATCH, HEADS * DIM)  # [s/CP, b, np * hn]
+        assert max(errors) < 1e-5, errors

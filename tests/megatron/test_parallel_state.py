@@ -1,0 +1,65 @@
+"""StarTrail groups from Megatron's grid: the pure CP-group math, then the real groups."""
+
+import itertools
+
+import pytest
+
+from tests.megatron.utils import Utils, parallel_state
+from tests.multiproc import run_ranks
+
+from megatron_startrail.megatron.parallel_state import context_parallel_groups, initialize_startrail
+
+
+def coordinates(rank, tp, cp, dp, pp):
+    """(tp, cp, dp, pp) coordinates of a rank in Megatron's default order tp-cp-ep-dp-pp."""
+    rank, t = divmod(rank, tp)
+    rank, c = divmod(rank, cp)
+    p, d = divmod(rank, dp)
+    return t, c, d, p
+
+
+def test_cp_groups_of_known_grids():
+    # DESIGN.md: world 8, TP=2, CP=4 -> [0,2,4,6] and [1,3,5,7]
+    assert context_parallel_groups(8, tp=2, cp=4) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert context_parallel_groups(8, cp=4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert context_parallel_groups(8, tp=2, pp=2, cp=2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert context_parallel_groups(8, cp=2, order="tp-cp-ep-pp-dp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    with pytest.raises(ValueError, match="not divisible"):
+        context_parallel_groups(12, tp=2, cp=4)
+
+
+@pytest.mark.parametrize("tp, cp, dp, pp", [(8, 16, 4, 2), (1, 64, 8, 4), (4, 3, 5, 2), (2, 128, 1, 8)])
+def test_cp_groups_share_every_other_coordinate_at_scale(tp, cp, dp, pp):
+    world = tp * cp * dp * pp
+    groups = context_parallel_groups(world, tp=tp, pp=pp, cp=cp)
+    assert sorted(itertools.chain(*groups)) == list(range(world))
+    assert len(groups) == tp * dp * pp and all(len(g) == cp for g in groups)
+    for group in groups:
+        coords = [coordinates(r, tp, cp, dp, pp) for r in group]
+        assert [c[1] for c in coords] == list(range(cp))  # listed in CP-rank order
+        assert len({(t, d, p) for t, _, d, p in coords}) == 1
+
+
+def check_worker(rank, world_size, tp, pp, cp, team_size, ulysses):
+    Utils.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                    context_parallel_size=cp)
+    groups = initialize_startrail(team_size, ulysses)
+    megatron_cp = list(parallel_state.get_context_parallel_global_ranks())
+    result = (
+        megatron_cp, list(groups.cp_global_ranks), groups.cp_rank, parallel_state.get_context_parallel_rank(),
+        list(groups.startrail_global_ranks), groups.team_size,
+    )
+    Utils.destroy_model_parallel()
+    return result
+
+
+@pytest.mark.parametrize("tp, pp, cp, team_size, ulysses", [(2, 1, 4, 2, 1), (2, 2, 2, 1, 1), (1, 2, 4, 1, 2)])
+def test_startrail_groups_sit_inside_megatrons_cp_groups(tp, pp, cp, team_size, ulysses):
+    results = run_ranks(check_worker, 8, args=(tp, pp, cp, team_size, ulysses), timeout=120)
+    expected = context_parallel_groups(8, tp=tp, pp=pp, cp=cp)
+    for rank, (megatron_cp, cp_ranks, cp_rank, megatron_cp_rank, st_ranks, c) in enumerate(results):
+        assert megatron_cp in expected and rank in megatron_cp
+        assert cp_ranks == megatron_cp and cp_rank == megatron_cp_rank
+        # the StarTrail group: stride U inside the CP group, through this rank
+        assert rank in st_ranks and st_ranks == megatron_cp[cp_rank % ulysses :: ulysses]
+        assert c == team_size
