@@ -2,7 +2,7 @@
 # The main job: a small GPT trained on CPU with StarTrail context parallelism.
 # 8 ranks: tensor parallel 2 x context parallel 4, StarTrail teams of 2, a 2048-token
 # sequence split across the 4 CP ranks. Installs what it needs into .venv on first use.
-# Extra arguments are appended (later flags win), e.g. --train-iters 5; NPROC sets the
+# Extra arguments are appended (later flags win), e.g. --train-iters 10; NPROC sets the
 # number of ranks (default 8).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
