@@ -26,10 +26,10 @@ from megatron_startrail import new_startrail_groups, startrail_attn
 
 
 def node_tx_bytes() -> int:
-    """Bytes sent so far on this namespace's inter-node interfaces (not lo, not dummies)."""
+    """Bytes sent so far on this namespace's inter-node interfaces."""
     total = 0
     for dev in os.listdir("/sys/class/net"):
-        if dev == "lo" or os.path.exists(f"/sys/class/net/{dev}/dummy") or dev.startswith("stbh"):
+        if dev == "lo" or dev.startswith("stbh"):  # loopback, and the full mesh's host-only pair
             continue
         with open(f"/sys/class/net/{dev}/statistics/tx_bytes") as f:
             total += int(f.read())

@@ -71,7 +71,7 @@ def predictions(args, rate_mbit: float, configs: list[dict], tflops: float, late
     cluster = ClusterSpec(
         nodes=args.nodes, gpus_per_node=args.ranks_per_node, intra_node_gbs=args.intra_node_gbs,
         inter_node_gbs=rate_mbit / 8 / 1000, nics_per_node=1, intra_latency_s=latency_s, inter_latency_s=latency_s,
-        attention_tflops=tflops,
+        attention_tflops=tflops, inter_node_mesh=args.topology == "full_mesh",
     )
     work = Workload(args.seq_length, args.heads, args.kv_heads or args.heads, args.head_dim, args.batch,
                     4 if args.dtype == "float32" else 2, not args.no_causal)

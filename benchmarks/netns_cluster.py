@@ -111,9 +111,13 @@ class EmulatedCluster:
 
     def _build_mesh(self) -> None:
         for i, ns in enumerate(self.namespaces):
-            _run("ip", "-n", ns, "link", "add", f"{PREFIX}h{i}", "type", "dummy")
-            _run("ip", "-n", ns, "addr", "add", f"{self.address(i)}/32", "dev", f"{PREFIX}h{i}")
-            _run("ip", "-n", ns, "link", "set", f"{PREFIX}h{i}", "up")
+            # The node's own address lives on an unconnected veth pair (this kernel has no
+            # dummy interfaces); peers reach it over their direct link (weak host model).
+            host, spare = f"{PREFIX}h{i}", f"{PREFIX}hp{i}"
+            _run("ip", "-n", ns, "link", "add", host, "type", "veth", "peer", "name", spare)
+            _run("ip", "-n", ns, "addr", "add", f"{self.address(i)}/32", "dev", host)
+            _run("ip", "-n", ns, "link", "set", host, "up")
+            _run("ip", "-n", ns, "link", "set", spare, "up")
         for i in range(self.nodes):
             for j in range(i + 1, self.nodes):
                 a, b = f"{PREFIX}{i}x{j}", f"{PREFIX}{j}x{i}"

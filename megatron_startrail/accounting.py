@@ -56,14 +56,20 @@ def ulysses_kv_heads(kv_heads: int, ulysses_size: int) -> int:
     return kv_heads
 
 
-def backward_p2p_bytes_per_step(shape: AttentionShape, ulysses_size: int, team_size: int) -> dict[str, int]:
-    """Bytes one sub-ring step moves in the backward, per rotation choice."""
+def backward_p2p_parts(shape: AttentionShape, ulysses_size: int, team_size: int) -> dict[str, tuple[int, int]]:
+    """Per rotation, the bytes one rank sends per backward sub-ring step as
+    ``(payload, gradient accumulator)``: the payload moves G-1 times, the accumulator G."""
     u, c, e, a = ulysses_size, team_size, shape.dtype_bytes, shape.acc_bytes
     s = shape.seq_local * u
     eq = s * shape.batch * (shape.heads // u) * shape.head_dim
     ekv = s * shape.batch * (ulysses_kv_heads(shape.kv_heads, u) // u) * shape.head_dim
     el = s * shape.batch * (shape.heads // u)
-    return {"q": c * (3 * eq * e + el * a + eq * a), "kv": c * (2 * ekv * e + 2 * ekv * a)}
+    return {"q": (c * (3 * eq * e + el * a), c * eq * a), "kv": (2 * c * ekv * e, 2 * c * ekv * a)}
+
+
+def backward_p2p_bytes_per_step(shape: AttentionShape, ulysses_size: int, team_size: int) -> dict[str, int]:
+    """Bytes one backward sub-ring step moves (payload + accumulator), per rotation choice."""
+    return {k: sum(v) for k, v in backward_p2p_parts(shape, ulysses_size, team_size).items()}
 
 
 def choose_backward_rotation(shape: AttentionShape, ulysses_size: int, team_size: int) -> str:

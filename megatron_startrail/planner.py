@@ -23,8 +23,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from .accounting import AttentionShape, backward_p2p_bytes_per_step, choose_backward_rotation, ulysses_kv_heads
+from .accounting import AttentionShape, backward_p2p_parts, choose_backward_rotation, ulysses_kv_heads
 from .topology import StarTrailTopology, valid_team_sizes
+from .transfer import sub_ring_lanes
 
 BACKWARD_FLOPS_RATIO = 2.5
 
@@ -41,6 +42,11 @@ class ClusterSpec:
     intra_latency_s: float = 5e-6
     inter_latency_s: float = 20e-6
     attention_tflops: float = 150.0  # effective, per GPU
+    # Full meshes: every pair has its own link. Inside a node (xGMI-style) a GPU's
+    # bandwidth is split over its gpus_per_node - 1 links; between nodes inter_node_gbs
+    # is then the rate of each node pair's link. Otherwise: a switch (NVSwitch, a NIC).
+    intra_node_mesh: bool = False
+    inter_node_mesh: bool = False
     # CP rank c sits on global rank c * cp_stride (Megatron's order tp-cp-...: stride = TP).
     cp_stride: int = 1
 
@@ -78,29 +84,35 @@ class Prediction:
         return core if self.ulysses_size == 1 else f"ulysses-{self.ulysses_size}x{core}"
 
 
-def _exchange_time(cluster: ClusterSpec, sends: list[tuple[int, int, float]], lanes: int = 1) -> tuple[float, float]:
-    """Time of one round of concurrent sends ``(src cp rank, dst cp rank, bytes)``, and its
-    inter-node bytes per node (max). ``lanes`` > 1: each rank's intra-node bytes spread over
-    that many links (TASP's concurrent rings)."""
-    intra: dict[int, float] = {}
+def _exchange_time(cluster: ClusterSpec, sends: list[tuple[int, int, float]]) -> tuple[float, float]:
+    """Time of one round of concurrent sends ``(src cp rank, dst cp rank, bytes)``, and the
+    largest number of bytes one node sent to other nodes in it."""
+    intra: dict = {}
+    inter_link: dict = {}
     inter_node: dict[int, float] = {}
     inter_rank: dict[int, float] = {}
     for src, dst, nbytes in sends:
         if src == dst or nbytes == 0:
             continue
-        if cluster.node_of(src) == cluster.node_of(dst):
-            intra[src] = intra.get(src, 0.0) + nbytes
+        a, b = cluster.node_of(src), cluster.node_of(dst)
+        if a == b:
+            key = (src, dst) if cluster.intra_node_mesh else src
+            intra[key] = intra.get(key, 0.0) + nbytes
         else:
-            node = cluster.node_of(src)
-            inter_node[node] = inter_node.get(node, 0.0) + nbytes
+            inter_link[(a, b)] = inter_link.get((a, b), 0.0) + nbytes
+            inter_node[a] = inter_node.get(a, 0.0) + nbytes
             inter_rank[src] = inter_rank.get(src, 0.0) + nbytes
     t = 0.0
     if intra:
-        t = max(t, max(intra.values()) / lanes / (cluster.intra_node_gbs * 1e9) + cluster.intra_latency_s)
-    if inter_node:
-        per_nic = cluster.inter_node_gbs * 1e9 / cluster.nics_per_node
-        t = max(t, max(inter_node.values()) / (cluster.inter_node_gbs * 1e9) + cluster.inter_latency_s,
-                max(inter_rank.values()) / per_nic + cluster.inter_latency_s)
+        links = max(1, cluster.gpus_per_node - 1) if cluster.intra_node_mesh else 1
+        t = max(t, max(intra.values()) * links / (cluster.intra_node_gbs * 1e9) + cluster.intra_latency_s)
+    if inter_link:
+        rate = cluster.inter_node_gbs * 1e9
+        if cluster.inter_node_mesh:
+            t = max(t, max(inter_link.values()) / rate + cluster.inter_latency_s)
+        else:
+            t = max(t, max(inter_node.values()) / rate + cluster.inter_latency_s,
+                    max(inter_rank.values()) / (rate / cluster.nics_per_node) + cluster.inter_latency_s)
     return t, max(inter_node.values(), default=0.0)
 
 
@@ -161,17 +173,24 @@ def predict(cluster: ClusterSpec, work: Workload, cp_size: int, team_size: int, 
         add(_exchange_time(cluster, [(cp_rank(p, x), cp_rank(topo.init_send_dst(p), x), nbytes)
                                      for p in positions for x in range(u)]))
     # Sub-ring steps, overlapped with the compute of the step they feed.
-    # Multi-ring (TASP): G-1 concurrent rings, so a rank's sub-ring bytes use G-1 links.
-    lanes = max(1, g - 1) if transfer == "multiring" else 1
-    rotation = choose_backward_rotation(shape, u, c)
-    per_step_bwd = backward_p2p_bytes_per_step(shape, u, c)[rotation]
-    for phase_bytes, compute, sends_per_step in ((2 * c * ekv * e, compute_fwd, g - 1), (per_step_bwd, compute_bwd, g)):
-        comm_t, comm_b = _exchange_time(
-            cluster, [(cp_rank(p, x), cp_rank(topo.ring_next(p), x), phase_bytes) for p in positions for x in range(u)],
-            lanes,
-        )
-        total += max(compute, sends_per_step * comm_t) if sends_per_step else compute
-        inter_bytes += sends_per_step * comm_b
+    # One lane per ring of the transfer (multi-ring: the sub-ring's Hamiltonian cycles),
+    # each carrying its share of the step's bytes to its own next rank.
+    lanes = {p: sub_ring_lanes(topo, p, transfer) for p in positions}
+    payload_bwd, accumulator_bwd = backward_p2p_parts(shape, u, c)[choose_backward_rotation(shape, u, c)]
+
+    def ring_round(nbytes: float) -> tuple[float, float]:
+        return _exchange_time(cluster, [
+            (cp_rank(p, x), cp_rank(lane.next(p), x), nbytes / len(lanes[p]))
+            for p in positions for x in range(u) for lane in lanes[p]
+        ])
+
+    # Forward: G-1 rounds of K, V. Backward: G rounds of the gradient accumulator, the
+    # first G-1 together with the payload. Each round overlaps the compute of a step.
+    rounds_fwd = [ring_round(2 * c * ekv * e)] * (g - 1)
+    rounds_bwd = [ring_round(payload_bwd + accumulator_bwd)] * (g - 1) + ([ring_round(accumulator_bwd)] if g > 1 else [])
+    for rounds, compute in ((rounds_fwd, compute_fwd), (rounds_bwd, compute_bwd)):
+        total += max(compute, sum(t for t, _ in rounds))
+        inter_bytes += sum(b for _, b in rounds)
     # Backward: all-gather dO, out, lse; reduce-scatter dQ, dK, dV.
     if c > 1:
         add(_collective_time(cluster, teams, (c - 1) * (2 * eq * e + el * a)))
@@ -180,7 +199,7 @@ def predict(cluster: ClusterSpec, work: Workload, cp_size: int, team_size: int, 
     return Prediction(u, c, transfer, total, compute, max(0.0, total - compute), inter_bytes)
 
 
-def plan(cluster: ClusterSpec, work: Workload, cp_size: int, *, transfers=("ring",)) -> list[Prediction]:
+def plan(cluster: ClusterSpec, work: Workload, cp_size: int, *, transfers=("ring", "multiring")) -> list[Prediction]:
     """Every valid (U, C, transfer), fastest first."""
     out = []
     for u in range(1, cp_size + 1):
@@ -188,6 +207,8 @@ def plan(cluster: ClusterSpec, work: Workload, cp_size: int, *, transfers=("ring
             continue
         for c in valid_team_sizes(cp_size // u):
             for transfer in transfers:
+                if transfer == "multiring" and StarTrailTopology(cp_size // u, c).sub_ring_size < 3:
+                    continue  # one or two ranks per sub-ring: the same as the single ring
                 out.append(predict(cluster, work, cp_size, c, u, transfer))
     return sorted(out, key=lambda p: p.time_s)
 

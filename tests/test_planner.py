@@ -1,0 +1,54 @@
+"""The planner's cost model: what it counts, and the choices it makes."""
+
+import pytest
+
+from megatron_startrail.planner import ClusterSpec, Workload, choose_team_size, plan, predict
+from megatron_startrail.topology import valid_team_sizes
+
+WORK = Workload(seq_length=8192, heads=4, kv_heads=4, head_dim=32, batch=1, dtype_bytes=4, causal=True)
+
+
+def slow_link_cluster(nodes, per_node, **kw):
+    return ClusterSpec(nodes=nodes, gpus_per_node=per_node, intra_node_gbs=1.0, inter_node_gbs=50 / 8 / 1000,
+                       nics_per_node=1, attention_tflops=0.01, **kw)
+
+
+def test_inter_node_bytes_are_the_implementations():
+    # 2 nodes x 4 ranks, causal fp32, 8192 tokens, 4 heads of 32: the benchmark measured
+    # 44 MiB (ring) and 16 MiB (C=2) crossing nodes per forward+backward, both nodes together.
+    cluster = slow_link_cluster(2, 4)
+    mib = 2**20
+    assert predict(cluster, WORK, 8, 1).internode_bytes * 2 == pytest.approx(44 * mib)
+    assert predict(cluster, WORK, 8, 2).internode_bytes * 2 == pytest.approx(16 * mib)
+
+
+def test_slow_inter_node_link_prefers_teams_that_keep_rings_inside_nodes():
+    cluster = slow_link_cluster(2, 8)
+    ranking = [p.name for p in plan(cluster, WORK, 16, transfers=("ring",))]
+    assert ranking.index("startrail-2") < ranking.index("ring")
+    assert choose_team_size(cp_size=16, ulysses_size=1, gpus_per_node=8, seq_length=8192, num_heads=4,
+                            num_kv_heads=4, head_dim=32, micro_batch_size=1, dtype_bytes=4, cluster=cluster) == 2
+
+
+def test_fast_links_make_communication_disappear():
+    cluster = ClusterSpec(nodes=2, gpus_per_node=8, intra_node_gbs=1e6, inter_node_gbs=1e6, attention_tflops=0.01,
+                          intra_latency_s=0, inter_latency_s=0)
+    for c in valid_team_sizes(16):
+        p = predict(cluster, WORK, 16, c)
+        assert p.exposed_comm_s == pytest.approx(0.0, abs=1e-3 * p.compute_s)
+
+
+def test_multiring_pays_off_only_on_a_full_mesh():
+    mesh = slow_link_cluster(8, 1, inter_node_mesh=True)
+    switch = slow_link_cluster(8, 1)
+    ring, tasp = predict(mesh, WORK, 8, 1, transfer="ring"), predict(mesh, WORK, 8, 1, transfer="multiring")
+    assert tasp.time_s < ring.time_s / 2  # 7 links instead of 1
+    assert predict(switch, WORK, 8, 1, transfer="multiring").time_s == pytest.approx(
+        predict(switch, WORK, 8, 1, transfer="ring").time_s)
+
+
+def test_choose_team_size_default_cluster_gives_a_valid_size():
+    for cp in (4, 8, 16, 32):
+        c = choose_team_size(cp_size=cp, ulysses_size=1, gpus_per_node=8, seq_length=131072, num_heads=32,
+                             num_kv_heads=8, head_dim=128, micro_batch_size=1, dtype_bytes=2)
+        assert c in valid_team_sizes(cp)
