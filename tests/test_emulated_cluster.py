@@ -1,0 +1,42 @@
+"""The emulated cluster (network namespaces): kernel byte counters agree with accounting.
+
+Needs root and iproute2 (CI has both); skipped with the reason otherwise.
+"""
+
+import argparse
+
+import pytest
+
+from benchmarks.cluster_bench import parse_config, run_once
+from benchmarks.netns_cluster import check_requirements
+
+REASON = check_requirements()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+
+
+def bench_args(**overrides):
+    args = dict(nodes=2, ranks_per_node=2, topology="bridge", seq_length=1024, batch=1, heads=2, kv_heads=None,
+                head_dim=16, dtype="float32", no_causal=False, warmup=1, iters=2, port=29561, timeout=300)
+    args.update(overrides)
+    return argparse.Namespace(**args)
+
+
+def test_kernel_counters_match_accounting_and_startrail_crosses_less():
+    results = {r["name"]: r for r in run_once(bench_args(), 400.0, [parse_config("ring"), parse_config("startrail-2")])}
+    for r in results.values():
+        assert r["internode_bytes_accounting"] > 0
+        # TCP/IP headers (MTU 9000) and acknowledgements add a few percent, no more.
+        ratio = r["internode_bytes_kernel"] / r["internode_bytes_accounting"]
+        assert 1.0 <= ratio < 1.1, (r["name"], ratio)
+    assert results["startrail-2"]["internode_bytes_accounting"] < results["ring"]["internode_bytes_accounting"]
+    assert results["ring"]["p2p_steps_forward"] == 3 and results["startrail-2"]["p2p_steps_forward"] == 1
+
+
+def test_full_mesh_spreads_tasp_over_every_link():
+    args = bench_args(topology="full_mesh", nodes=3, ranks_per_node=1, port=29562, seq_length=1020)
+    results = {r["name"]: r for r in run_once(args, 400.0, [parse_config("ring"), parse_config("tasp")])}
+    for r in results.values():
+        ratio = r["internode_bytes_kernel"] / r["internode_bytes_accounting"]
+        assert 1.0 <= ratio < 1.1, (r["name"], ratio)
+    # Same bytes in total: TASP only spreads them over more links.
+    assert results["tasp"]["internode_bytes_accounting"] == results["ring"]["internode_bytes_accounting"]
