@@ -11,14 +11,7 @@ import inspect
 
 import torch
 
-
-def _expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
-    return x.repeat_interleave(heads // x.shape[1], dim=1)
-
-
-def _sum_kv_groups(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    b, h, s, d = x.shape
-    return x.view(b, kv_heads, h // kv_heads, s, d).sum(dim=2)
+from .reference import expand_kv_heads, sum_kv_head_groups
 
 
 class TorchCUDAFlashKernel:
@@ -33,20 +26,20 @@ class TorchCUDAFlashKernel:
     def forward(self, q, k, v, *, causal, scale):
         h = q.shape[1]
         res = torch.ops.aten._scaled_dot_product_flash_attention(
-            q, _expand_kv(k, h), _expand_kv(v, h), 0.0, causal, False, scale=scale
+            q, expand_kv_heads(k, h), expand_kv_heads(v, h), 0.0, causal, False, scale=scale
         )
         return res[0], res[1]
 
     def backward(self, dout, q, k, v, out, lse, *, causal, scale):
         h, hkv = q.shape[1], k.shape[1]
         sq, sk = q.shape[2], k.shape[2]
-        ke, ve = _expand_kv(k, h), _expand_kv(v, h)
+        ke, ve = expand_kv_heads(k, h), expand_kv_heads(v, h)
         empty = torch.empty(0, device=q.device)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
             dout, q, ke, ve, out, lse, empty, empty, sq, sk, 0.0, causal,
             torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64), scale=scale,
         )
-        return dq, _sum_kv_groups(dk, hkv), _sum_kv_groups(dv, hkv)
+        return dq, sum_kv_head_groups(dk, hkv), sum_kv_head_groups(dv, hkv)
 
 
 class FlashAttnKernel:

@@ -9,13 +9,13 @@ from __future__ import annotations
 import torch
 
 
-def _expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+def expand_kv_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     # [b, hkv, s, d] -> [b, h, s, d]: query head i uses kv head i // (h // hkv).
     return x.repeat_interleave(heads // x.shape[1], dim=1)
 
 
-def _sum_kv_groups(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    # [b, h, s, d] -> [b, hkv, s, d]: the adjoint of _expand_kv.
+def sum_kv_head_groups(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    # [b, h, s, d] -> [b, hkv, s, d]: the adjoint of expand_kv_heads.
     b, h, s, d = x.shape
     return x.view(b, kv_heads, h // kv_heads, s, d).sum(dim=2)
 
@@ -30,7 +30,7 @@ class ReferenceKernel:
 
     def forward(self, q, k, v, *, causal, scale):
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        qa, ka, va = q.to(acc), _expand_kv(k, q.shape[1]).to(acc), _expand_kv(v, q.shape[1]).to(acc)
+        qa, ka, va = q.to(acc), expand_kv_heads(k, q.shape[1]).to(acc), expand_kv_heads(v, q.shape[1]).to(acc)
         # 1. scores S = scale * Q K^T                                  [b, h, sq, sk]
         scores = torch.matmul(qa, ka.transpose(-1, -2)) * scale
         if causal:
@@ -45,7 +45,7 @@ class ReferenceKernel:
     def backward(self, dout, q, k, v, out, lse, *, causal, scale):
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         heads, kv_heads = q.shape[1], k.shape[1]
-        qa, ka, va = q.to(acc), _expand_kv(k, heads).to(acc), _expand_kv(v, heads).to(acc)
+        qa, ka, va = q.to(acc), expand_kv_heads(k, heads).to(acc), expand_kv_heads(v, heads).to(acc)
         doa, oa, lsea = dout.to(acc), out.to(acc), lse.to(acc)
         # 1. recompute P from the final lse                             [b, h, sq, sk]
         scores = torch.matmul(qa, ka.transpose(-1, -2)) * scale
@@ -64,6 +64,6 @@ class ReferenceKernel:
         dk = torch.matmul(dscores.transpose(-1, -2), qa) * scale
         return (
             dq.to(q.dtype),
-            _sum_kv_groups(dk, kv_heads).to(k.dtype),
-            _sum_kv_groups(dv, kv_heads).to(v.dtype),
+            sum_kv_head_groups(dk, kv_heads).to(k.dtype),
+            sum_kv_head_groups(dv, kv_heads).to(v.dtype),
         )
