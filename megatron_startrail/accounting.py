@@ -56,14 +56,20 @@ def ulysses_kv_heads(kv_heads: int, ulysses_size: int) -> int:
     return kv_heads
 
 
+def startrail_rank_elements(shape: AttentionShape, ulysses_size: int) -> tuple[int, int, int]:
+    """Elements of one StarTrail rank's Q, K (= V) and lse after the Ulysses all-to-all:
+    ``U * seq_local`` tokens, ``heads / U`` query heads, K/V heads replicated up to U."""
+    u = ulysses_size
+    s = shape.seq_local * u
+    heads, kv_heads = shape.heads // u, ulysses_kv_heads(shape.kv_heads, u) // u
+    return s * shape.batch * heads * shape.head_dim, s * shape.batch * kv_heads * shape.head_dim, s * shape.batch * heads
+
+
 def backward_p2p_parts(shape: AttentionShape, ulysses_size: int, team_size: int) -> dict[str, tuple[int, int]]:
     """Per rotation, the bytes one rank sends per backward sub-ring step as
     ``(payload, gradient accumulator)``: the payload moves G-1 times, the accumulator G."""
-    u, c, e, a = ulysses_size, team_size, shape.dtype_bytes, shape.acc_bytes
-    s = shape.seq_local * u
-    eq = s * shape.batch * (shape.heads // u) * shape.head_dim
-    ekv = s * shape.batch * (ulysses_kv_heads(shape.kv_heads, u) // u) * shape.head_dim
-    el = s * shape.batch * (shape.heads // u)
+    c, e, a = team_size, shape.dtype_bytes, shape.acc_bytes
+    eq, ekv, el = startrail_rank_elements(shape, ulysses_size)
     return {"q": (c * (3 * eq * e + el * a), c * eq * a), "kv": (2 * c * ekv * e, 2 * c * ekv * a)}
 
 
@@ -100,11 +106,7 @@ def expected_comm(
         rotation = choose_backward_rotation(shape, u, c)
     init = int(topo.init_send_dst(startrail_rank) != startrail_rank)
 
-    s = shape.seq_local * u  # tokens per StarTrail rank after Ulysses
-    heads, kv_heads = shape.heads // u, ulysses_kv_heads(shape.kv_heads, u) // u
-    eq = s * shape.batch * heads * shape.head_dim
-    ekv = s * shape.batch * kv_heads * shape.head_dim
-    el = s * shape.batch * heads
+    eq, ekv, el = startrail_rank_elements(shape, u)
 
     # Ulysses all-to-all volume per direction (per CP rank, before the exchange).
     uly_in = (u - 1) * (eq + 2 * ekv) * e // u

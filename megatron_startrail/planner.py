@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from .accounting import AttentionShape, backward_p2p_parts, choose_backward_rotation, ulysses_kv_heads
+from .accounting import AttentionShape, backward_p2p_parts, choose_backward_rotation, startrail_rank_elements
 from .topology import StarTrailTopology, valid_team_sizes
 from .transfer import sub_ring_lanes
 
@@ -137,11 +137,7 @@ def predict(cluster: ClusterSpec, work: Workload, cp_size: int, team_size: int, 
     shape = AttentionShape(work.seq_length // cp_size, work.batch, work.heads, work.kv_heads, work.head_dim,
                            work.dtype_bytes)
     e, a = shape.dtype_bytes, shape.acc_bytes
-    s = shape.seq_local * u
-    heads, kv_heads = work.heads // u, ulysses_kv_heads(work.kv_heads, u) // u
-    eq = s * work.batch * heads * work.head_dim  # one StarTrail rank's Q elements
-    ekv = s * work.batch * kv_heads * work.head_dim
-    el = s * work.batch * heads
+    eq, ekv, el = startrail_rank_elements(shape, u)  # one StarTrail rank's Q, K, lse elements
     cp_rank = lambda pos, uly=0: pos * u + uly  # noqa: E731 - StarTrail position -> CP rank
     positions = range(s_size)
 

@@ -147,12 +147,7 @@ def validate_startrail_args(args) -> None:
 
 
 def _auto_team_size(args, heads: int, kv_heads: int) -> int:
-    try:
-        from ..planner import choose_team_size  # noqa: PLC0415 - optional module
-    except ImportError as err:
-        raise ValueError(
-            "--startrail-team-size auto needs megatron_startrail.planner; pass an integer team size"
-        ) from err
+    from ..planner import choose_team_size  # noqa: PLC0415 - only for auto
     tp = args.tensor_model_parallel_size
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size))
     # Ranks are ordered tp-cp-...: a node of N ranks holds N / TP consecutive positions of a CP group.
