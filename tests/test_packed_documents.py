@@ -117,7 +117,7 @@ def group_settings(cp):
                     yield u, c
 
 
-def run_packed_case(groups, rank, cp, layout, causal, kv_heads, dtype, seed, thd):
+def run_packed_case(groups, rank, cp, layout, causal, kv_heads, dtype, seed, thd, transfer="ring"):
     cu, padded = make_documents(cp, CHUNK, layout, seed)
     doc = document_of_positions(cu, padded)
     full = full_inputs(seed, len(doc), 1, HEADS, kv_heads, DIM, dtype)
@@ -128,7 +128,8 @@ def run_packed_case(groups, rank, cp, layout, causal, kv_heads, dtype, seed, thd
     if thd:  # [t, 1, h, d] -> [t, h, d]
         q, k, v, dout = (t.squeeze(1) for t in (q, k, v, dout))
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
-    out = startrail_attn(q, k, v, groups, causal=causal, softmax_scale=scale, cu_seqlens=cu, cu_seqlens_padded=padded)
+    out = startrail_attn(q, k, v, groups, causal=causal, softmax_scale=scale, cu_seqlens=cu, cu_seqlens_padded=padded,
+                         transfer=transfer)
     assert out.shape == q.shape
     out.backward(dout)
     got = [t.reshape(len(mine), 1, *t.shape[-2:]) for t in (out.detach(), q.grad, k.grad, v.grad)]
@@ -185,6 +186,24 @@ def test_packed_matches_float64_per_document_attention(cp_size):
     assert not failures, "\n".join(failures[:40])
     assert all(n == len(list(group_settings(cp_size))) * 14 for _, n, _ in results)
     assert sum(p for _, _, p in results) > 0  # padding rows were exercised
+
+
+def multiring_worker(rank, world_size):
+    failures = []
+    for rotation, layout, causal, kv_heads in itertools.product(("q", "kv"), ("sample", "document"), (True, False), (4, 1)):
+        groups = new_startrail_groups(team_size=1, backward_rotation=rotation)
+        errors, pad_nonzero, _ = run_packed_case(groups, rank, world_size, layout, causal, kv_heads, torch.float32,
+                                                 7, thd=False, transfer="multiring")
+        case = f"multiring rotation={rotation} {layout} causal={causal} kv_heads={kv_heads}"
+        failures += [f"{case}: {n} error {e:.3g}" for n, e in errors.items() if not e <= TOLERANCE[torch.float32]]
+        failures += [f"{case}: padding not zero"] if pad_nonzero else []
+    return failures
+
+
+def test_packed_with_tasp_multiring_sub_ring():
+    # 4 ranks, C = 1: one sub-ring of 4 carried on 3 concurrent rings, each with a part of every payload.
+    failures = sum(run_ranks(multiring_worker, 4), [])
+    assert not failures, "\n".join(failures[:30])
 
 
 # -- kernel calls follow the documents -------------------------------------------------
