@@ -190,7 +190,8 @@ def test_packed_matches_float64_per_document_attention(cp_size):
 
 def multiring_worker(rank, world_size):
     failures = []
-    for rotation, layout, causal, kv_heads in itertools.product(("q", "kv"), ("sample", "document"), (True, False), (4, 1)):
+    cases = itertools.product(("q", "kv"), ("sample", "document"), (True, False), (4, 1))
+    for rotation, layout, causal, kv_heads in cases:
         groups = new_startrail_groups(team_size=1, backward_rotation=rotation)
         errors, pad_nonzero, _ = run_packed_case(groups, rank, world_size, layout, causal, kv_heads, torch.float32,
                                                  7, thd=False, transfer="multiring")
