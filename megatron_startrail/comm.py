@@ -10,6 +10,7 @@ all-to-all of ``N`` bytes per rank move ``(n-1)/n N``). P2P bytes are exact tens
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -55,27 +56,44 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class PendingP2P:
-    """Handles of one posted batch of sends/receives; ``wait()`` completes all of them."""
+    """Handles of one posted batch of sends/receives; ``wait()`` completes all of them
+    (and records the time blocked in ``timeline`` under ``op``, if one is given)."""
 
-    def __init__(self, works: list) -> None:
+    def __init__(self, works: list, timeline=None, op: str = "") -> None:
         self._works = works
+        self._timeline, self._op = timeline, op
 
     def wait(self) -> None:
+        start = time.perf_counter() if self._timeline is not None and self._works else None
         for w in self._works:
             w.wait()
         self._works = []
+        if start is not None:
+            self._timeline.add(self._op, start, time.perf_counter())
 
 
 class Communicator:
     """Collectives on one group and P2P on another, recording into ``stats``.
 
     ``p2p_group`` is the StarTrail group; peers are given as positions in it.
+    ``timeline`` (a :class:`~megatron_startrail.timeline.Timeline`, optional) records
+    the time blocked in every collective and every P2P ``wait()``.
     """
 
-    def __init__(self, stats: CommStats, p2p_group, p2p_global_ranks: tuple[int, ...]) -> None:
+    def __init__(self, stats: CommStats, p2p_group, p2p_global_ranks: tuple[int, ...], timeline=None) -> None:
         self.stats = stats
         self.p2p_group = p2p_group
         self.p2p_global_ranks = p2p_global_ranks
+        self.timeline = timeline
+
+    def _timed(self, op: str, fn, *args, **kwargs):
+        """Run a blocking collective, recording its span when a timeline is on."""
+        if self.timeline is None:
+            return fn(*args, **kwargs)
+        start = time.perf_counter()
+        result = fn(*args, **kwargs)
+        self.timeline.add(op, start, time.perf_counter())
+        return result
 
     # -- point to point --------------------------------------------------------------
     def post(
@@ -106,7 +124,7 @@ class Communicator:
             self.stats.p2p_bytes_recv_from[self.p2p_global_ranks[peer]] += nbytes
         if ops and counts_as_step:
             self.stats.p2p_steps += 1
-        return PendingP2P(dist.batch_isend_irecv(ops) if ops else [])
+        return PendingP2P(dist.batch_isend_irecv(ops) if ops else [], self.timeline, op)
 
     # -- collectives -----------------------------------------------------------------
     def _count_collective(self, op: str, moved: int) -> None:
@@ -120,7 +138,7 @@ class Communicator:
             return x
         x = x.contiguous()
         out = x.new_empty((group_size * x.shape[0],) + tuple(x.shape[1:]))
-        _all_gather(out, x, group=group)
+        self._timed(op, _all_gather, out, x, group=group)
         self._count_collective(op, (group_size - 1) * _nbytes(x))
         return out
 
@@ -130,7 +148,7 @@ class Communicator:
             return x
         x = x.contiguous()
         out = x.new_empty((x.shape[0] // group_size,) + tuple(x.shape[1:]))
-        _reduce_scatter(out, x, group=group)
+        self._timed(op, _reduce_scatter, out, x, group=group)
         self._count_collective(op, (group_size - 1) * _nbytes(out))
         return out
 
@@ -140,7 +158,7 @@ class Communicator:
             return x
         x = x.contiguous()
         out = torch.empty_like(x)
-        dist.all_to_all_single(out, x, group=group)
+        self._timed(op, dist.all_to_all_single, out, x, group=group)
         self._count_collective(op, (group_size - 1) * _nbytes(x) // group_size)
         return out
 
@@ -149,6 +167,6 @@ class Communicator:
         if group_size == 1:
             return x
         x = x.clone()
-        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
+        self._timed(op, dist.all_reduce, x, op=dist.ReduceOp.MAX, group=group)
         self._count_collective(op, 2 * (group_size - 1) * _nbytes(x) // group_size)
         return x

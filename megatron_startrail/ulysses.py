@@ -40,30 +40,31 @@ class _UlyssesExchange(torch.autograd.Function):
     """Sequence gather (``to_sequence=True``) or scatter; the backward is the other one."""
 
     @staticmethod
-    def forward(ctx, x, group, u, to_sequence, fwd_stats, bwd_stats):
-        ctx.group, ctx.u, ctx.to_sequence, ctx.bwd_stats = group, u, to_sequence, bwd_stats
-        comm = Communicator(fwd_stats, None, ())
+    def forward(ctx, x, group, u, to_sequence, fwd_stats, bwd_stats, timeline):
+        ctx.group, ctx.u, ctx.to_sequence, ctx.bwd_stats, ctx.timeline = group, u, to_sequence, bwd_stats, timeline
+        comm = Communicator(fwd_stats, None, (), timeline)
         return (_seq_gather if to_sequence else _seq_scatter)(x.contiguous(), comm, group, u)
 
     @staticmethod
     def backward(ctx, grad):
-        comm = Communicator(ctx.bwd_stats, None, ())
+        comm = Communicator(ctx.bwd_stats, None, (), ctx.timeline)
         back = _seq_scatter if ctx.to_sequence else _seq_gather
-        return back(grad.contiguous(), comm, ctx.group, ctx.u), None, None, None, None, None
+        return back(grad.contiguous(), comm, ctx.group, ctx.u), None, None, None, None, None, None
 
 
-def gather_sequence(q, k, v, groups, fwd_stats: CommStats, bwd_stats: CommStats):
-    """Ulysses all-to-all of q, k, v before StarTrail."""
+def gather_sequence(q, k, v, groups, fwd_stats: CommStats, bwd_stats: CommStats, timeline=None):
+    """Ulysses all-to-all of q, k, v before StarTrail (waits recorded in ``timeline``, if given)."""
     u = groups.ulysses_size
     kv_heads = k.shape[2]
     if kv_heads % u != 0:  # u % kv_heads == 0 (checked): replicate K/V heads up to U
         k = k.repeat_interleave(u // kv_heads, dim=2)
         v = v.repeat_interleave(u // kv_heads, dim=2)
     return tuple(
-        _UlyssesExchange.apply(t, groups.ulysses_group, u, True, fwd_stats, bwd_stats) for t in (q, k, v)
+        _UlyssesExchange.apply(t, groups.ulysses_group, u, True, fwd_stats, bwd_stats, timeline) for t in (q, k, v)
     )
 
 
-def scatter_sequence(out, groups, fwd_stats: CommStats, bwd_stats: CommStats):
+def scatter_sequence(out, groups, fwd_stats: CommStats, bwd_stats: CommStats, timeline=None):
     """Ulysses all-to-all of the attention output back to the CP layout."""
-    return _UlyssesExchange.apply(out, groups.ulysses_group, groups.ulysses_size, False, fwd_stats, bwd_stats)
+    return _UlyssesExchange.apply(out, groups.ulysses_group, groups.ulysses_size, False, fwd_stats, bwd_stats,
+                                  timeline)

@@ -1,0 +1,70 @@
+"""A per-rank record of where the attention's time went: which communication it waited on.
+
+A :class:`Timeline` is passed explicitly (``startrail_attn(..., timeline=...)``) and
+handed to the :class:`~megatron_startrail.comm.Communicator`, which records one span
+per blocking wait: a collective (they block until done), or the ``wait()`` of posted
+P2P transfers. Time outside the spans is compute (and posting). Without a timeline
+nothing is recorded and the cost is one ``is None`` test per communication call.
+
+Spans are ``(op, start, end)`` in :func:`time.perf_counter` seconds, with the op names
+of :class:`~megatron_startrail.comm.CommStats` (``team_all_gather``, ``init_send``,
+``sub_ring``, ``team_merge``, ...). :data:`PHASES` groups them into the phases of the
+schedule for tables and plots.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+# Phase of the schedule -> op names whose waits it covers (forward and backward).
+PHASES = {
+    "team gather": ("team_all_gather",),
+    "initial send": ("init_send", "init_send_reverse"),
+    "ring wait": ("sub_ring", "sub_ring_grad"),
+    "merge": ("team_merge", "team_reduce_scatter"),
+    "ulysses": ("ulysses_all_to_all",),
+}
+
+
+def phase_of(op: str) -> str:
+    for phase, ops in PHASES.items():
+        if op in ops:
+            return phase
+    return "other comm"
+
+
+class Timeline:
+    """Spans one rank spent blocked on communication, in order."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[str, float, float]] = []
+
+    @staticmethod
+    def now() -> float:
+        return time.perf_counter()
+
+    def add(self, op: str, start: float, end: float) -> None:
+        self.spans.append((op, start, end))
+
+    @contextmanager
+    def span(self, op: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.spans.append((op, start, time.perf_counter()))
+
+    def clear(self) -> None:
+        self.spans.clear()
+
+    def phase_seconds(self, start: float, end: float) -> dict[str, float]:
+        """Seconds per phase within ``[start, end]``; ``compute`` is the rest of the window."""
+        out = {phase: 0.0 for phase in PHASES}
+        for op, a, b in self.spans:
+            a, b = max(a, start), min(b, end)
+            if b > a:
+                phase = phase_of(op)
+                out[phase] = out.get(phase, 0.0) + (b - a)
+        out["compute"] = max(0.0, (end - start) - sum(out.values()))
+        return out

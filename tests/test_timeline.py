@@ -1,0 +1,44 @@
+"""The timeline recorder: spans of every blocking collective and P2P wait, by phase."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_startrail.comm import CommStats, Communicator
+from megatron_startrail.timeline import PHASES, Timeline, phase_of
+from tests.multiproc import run_ranks
+
+
+def comm_worker(rank, world_size):
+    timeline = Timeline()
+    comm = Communicator(CommStats(), dist.group.WORLD, tuple(range(world_size)), timeline)
+    x = torch.randn(3, 2, generator=torch.Generator().manual_seed(rank))
+    start = time.perf_counter()
+    gathered = comm.all_gather(x, dist.group.WORLD, world_size, op="team_all_gather")
+    got = torch.empty_like(x)
+    if rank == 0:
+        time.sleep(0.2)  # rank 1 waits for rank 0's late send: its wait span must show it
+    comm.post([(x, (rank + 1) % world_size)], [(got, (rank - 1) % world_size)], op="init_send").wait()
+    comm.reduce_scatter(gathered, dist.group.WORLD, world_size, op="team_reduce_scatter")
+    end = time.perf_counter()
+    untimed = Communicator(CommStats(), dist.group.WORLD, tuple(range(world_size)))
+    untimed.all_gather(x, dist.group.WORLD, world_size, op="team_all_gather")
+    return [op for op, _, _ in timeline.spans], timeline.phase_seconds(start, end), end - start
+
+
+def test_communicator_records_one_span_per_blocking_call():
+    for rank, (ops, phases, window) in enumerate(run_ranks(comm_worker, 2)):
+        assert ops == ["team_all_gather", "init_send", "team_reduce_scatter"]
+        assert set(phases) == set(PHASES) | {"compute"}
+        assert sum(phases.values()) == pytest.approx(window)
+        if rank == 1:
+            assert phases["initial send"] > 0.15
+        else:
+            assert phases["compute"] > 0.15  # the sleep is not communication
+
+
+def test_ops_map_to_phases():
+    assert phase_of("sub_ring_grad") == "ring wait" and phase_of("team_merge") == "merge"
+    assert phase_of("something_new") == "other comm"
