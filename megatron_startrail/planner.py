@@ -4,12 +4,19 @@ The model walks the schedule the implementation runs, with the bytes it really s
 (:mod:`megatron_startrail.accounting`'s per-step forms) and the peers the rank math
 gives (:mod:`megatron_startrail.topology`), and prices every step on the cluster::
 
-    step time    = max(compute of the step, slowest link of the step) + latency
+    step time    = max(compute, transfer) + (1 - overlap) * min(compute, transfer) + latency
+                   for a sub-ring step whose transfer flies while it computes; a
+                   blocking collective or wait costs its transfer time + latency
     link time    = bytes over a rank's intra-node link / intra bandwidth, or
                    a node's bytes to other nodes / the node's inter-node bandwidth
                    (and one rank's / its own NIC's share)
     attention    = team all-gather + initial send + sub-ring steps (overlapped with
                    compute) + team merge, forward and backward, + Ulysses all-to-alls
+
+Bandwidths are *effective* rates (what the transport delivers, measured per cluster:
+benchmarks/calibration.py on the emulated cluster, NCCL-test figures for the paper's
+clusters) and ``overlap`` is how much of a step's transfer really hides behind its
+compute on that cluster (1: perfectly; 0: they serialise), measured the same way.
 
 Compute is the attention's FLOPs (causal: half the blocks) at ``attention_tflops``
 per GPU; the backward does 2.5x the forward's FLOPs (flash-attention recomputes).
@@ -42,6 +49,8 @@ class ClusterSpec:
     intra_latency_s: float = 5e-6
     inter_latency_s: float = 20e-6
     attention_tflops: float = 150.0  # effective, per GPU
+    # Fraction of min(compute, transfer) of an overlapped step that is hidden.
+    overlap: float = 1.0
     # Full meshes: every pair has its own link. Inside a node (xGMI-style) a GPU's
     # bandwidth is split over its gpus_per_node - 1 links; between nodes inter_node_gbs
     # is then the rate of each node pair's link. Otherwise: a switch (NVSwitch, a NIC).
@@ -116,6 +125,12 @@ def _exchange_time(cluster: ClusterSpec, sends: list[tuple[int, int, float]]) ->
     return t, max(inter_node.values(), default=0.0)
 
 
+def overlapped_steps(overlap: float, compute: list[float], transfer: list[float]) -> float:
+    """Time of steps that each compute while a transfer flies: the longer of the two, plus
+    the part of the shorter one that does not hide (``1 - overlap``)."""
+    return sum(max(c, t) + (1.0 - overlap) * min(c, t) for c, t in zip(compute, transfer))
+
+
 def _collective_time(cluster: ClusterSpec, groups: list[list[int]], bytes_per_rank: float) -> tuple[float, float]:
     """A bandwidth-optimal collective moving ``bytes_per_rank`` per rank within each group
     (priced as a ring over the group's members)."""
@@ -180,13 +195,18 @@ def predict(cluster: ClusterSpec, work: Workload, cp_size: int, team_size: int, 
             for p in positions for x in range(u) for lane in lanes[p]
         ])
 
-    # Forward: G-1 rounds of K, V. Backward: G rounds of the gradient accumulator, the
-    # first G-1 together with the payload. Each round overlaps the compute of a step.
-    rounds_fwd = [ring_round(2 * c * ekv * e)] * (g - 1)
-    rounds_bwd = [ring_round(payload_bwd + accumulator_bwd)] * (g - 1) + ([ring_round(accumulator_bwd)] if g > 1 else [])
-    for rounds, compute in ((rounds_fwd, compute_fwd), (rounds_bwd, compute_bwd)):
-        total += max(compute, sum(t for t, _ in rounds))
-        inter_bytes += sum(b for _, b in rounds)
+    # What flies while step i computes (schedule.rotate). Forward: the next K, V, steps
+    # 0..G-2. Backward: the next payload (steps 0..G-2) and the accumulator posted after
+    # the previous step (steps 1..G-1); the last accumulator is waited on after the last
+    # step, exposed.
+    kv_round = ring_round(2 * c * ekv * e)
+    fwd_flying = [kv_round] * (g - 1) + [(0.0, 0.0)]
+    bwd_flying = [ring_round(payload_bwd * (i < g - 1) + accumulator_bwd * (i > 0)) for i in range(g)]
+    for flying, compute in ((fwd_flying, compute_fwd), (bwd_flying, compute_bwd)):
+        total += overlapped_steps(cluster.overlap, [compute / g] * g, [t for t, _ in flying])
+        inter_bytes += sum(b for _, b in flying)
+    if g > 1:
+        add(ring_round(accumulator_bwd))
     # Backward: all-gather dO, out, lse; reduce-scatter dQ, dK, dV.
     if c > 1:
         add(_collective_time(cluster, teams, (c - 1) * (2 * eq * e + el * a)))

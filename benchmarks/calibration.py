@@ -1,0 +1,124 @@
+"""The planner's inputs, measured on the emulated cluster by the benchmark ranks themselves.
+
+Run by every rank (benchmarks/attention_worker.py) before the configurations, all ranks
+at once, so each number is what a rank gets while every other rank is busy too -- the
+state the attention runs in. Nothing here looks at the attention's timings: the planner
+is calibrated per cluster, then compared with the attention rows it never saw.
+
+* ``step_latency_s``: one tiny ring exchange over all ranks (process scheduling as much
+  as the network on a shared CPU).
+* ``inter_node_gbs``: every rank sends to the same-index rank of the next node and
+  receives from the previous one (all of a node's ranks share its shaped uplink):
+  bytes per node / time. What TCP over ``tc tbf`` really delivers, below the nominal rate.
+* ``intra_node_gbs``: every rank exchanges with its neighbour inside the node over
+  loopback: bytes per rank / time (loopback costs CPU, which the ranks share).
+* ``attention_tflops``: every rank runs the block kernel's forward+backward on its own
+  ``[s_local x s_local]`` block at once: FLOPs per rank / time.
+* ``overlap``: compute and an inter-node exchange of about the same length, started
+  together: the fraction of the shorter one hidden, ``(t_c + t_x - t_both) / min(t_c, t_x)``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron_startrail.kernels import TorchCPUFlashKernel
+
+
+def _timed_max(fn, repeats: int) -> float:
+    """Median over ``repeats`` of the slowest rank's time for ``fn`` (all ranks start together)."""
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        t = torch.tensor([time.perf_counter() - start])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        times.append(t.item())
+    return statistics.median(times)
+
+
+def _exchange(send_to: int, recv_from: int, nbytes: int):
+    buf, got = torch.empty(nbytes // 4), torch.empty(nbytes // 4)
+    buf.uniform_()
+
+    def post():
+        return dist.batch_isend_irecv([dist.P2POp(dist.isend, buf, send_to), dist.P2POp(dist.irecv, got, recv_from)])
+
+    return post
+
+
+def measure_cluster(per_node: int, nominal_mbit: float, q, k, v, dout, causal: bool) -> dict:
+    """The planner's per-cluster inputs (see the module docstring); same dict on every rank.
+
+    Transfers are sent as the schedule sends them: messages of one rank's K, V
+    (``[2, s_local, b, hkv, d]``), one after another, ~0.4 s of traffic in all."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    nodes = world // per_node
+    out = {}
+
+    tiny = _exchange((rank + 1) % world, (rank - 1) % world, 4)
+    out["step_latency_s"] = _timed_max(lambda: [w.wait() for w in tiny()], 15)
+
+    message = 2 * k.numel() * k.element_size()
+    node_base = rank - rank % per_node
+    hops = {"inter": (rank + per_node) % world, "intra": node_base + (rank + 1) % per_node}
+    froms = {"inter": (rank - per_node) % world, "intra": node_base + (rank - 1) % per_node}
+
+    def stream(kind: str, messages: int):
+        post = _exchange(hops[kind], froms[kind], message)
+
+        def run():
+            pending = []
+            for _ in range(messages):
+                pending += post()
+            return pending
+
+        return run
+
+    inter_messages = max(1, round(nominal_mbit * 1e6 / 8 * 0.4 / per_node / message))
+    if nodes > 1:
+        t_x = _timed_max(lambda: [w.wait() for w in stream("inter", inter_messages)()], 3)
+        out["inter_node_gbs"] = per_node * inter_messages * message / t_x / 1e9
+    if per_node > 1:
+        intra_messages = 8
+        t_l = _timed_max(lambda: [w.wait() for w in stream("intra", intra_messages)()], 3)
+        out["intra_node_gbs"] = intra_messages * message / t_l / 1e9
+
+    # Block kernel on this rank's own rows, as the sub-ring steps run it: [b, h, s, d] views.
+    kernel, scale = TorchCPUFlashKernel(), q.shape[-1] ** -0.5
+    qb, kb, vb, db = (t.permute(1, 2, 0, 3) for t in (q, k, v, dout))
+
+    def compute():
+        o, lse = kernel.forward(qb, kb, vb, causal=False, scale=scale)
+        kernel.backward(db, qb, kb, vb, o, lse, causal=False, scale=scale)
+
+    t_c = _timed_max(compute, 3)
+    s, b, h, d = q.shape
+    out["attention_tflops"] = 4 * b * h * s * s * d * 3.5 / t_c / 1e12  # forward + 2.5x backward
+    if nodes > 1:
+        # Compute and traffic of about the same length, alone and together.
+        reps = max(1, round(0.3 / t_c))
+        messages = max(1, round(reps * t_c * out["inter_node_gbs"] * 1e9 / per_node / message))
+        send = stream("inter", messages)
+
+        def computes():
+            for _ in range(reps):
+                compute()
+
+        def both():
+            pending = send()
+            computes()
+            for w in pending:
+                w.wait()
+
+        t_cs = _timed_max(computes, 2)
+        t_xs = _timed_max(lambda: [w.wait() for w in send()], 2)
+        t_both = _timed_max(both, 2)
+        out["overlap"] = min(1.0, max(0.0, (t_cs + t_xs - t_both) / min(t_cs, t_xs)))
+        out["overlap_times_s"] = {"compute": t_cs, "transfer": t_xs, "both": t_both}
+    return out

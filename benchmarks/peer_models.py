@@ -1,0 +1,52 @@
+"""The planner's cost model applied to PyTorch's ring attention (benchmarks/torch_cp_peer.py),
+so that its row in the validation table has a prediction too.
+
+PyTorch's schedule (``_templated_ring_attention`` and its backward, load-balanced so every
+step attends half of the two chunks' blocks):
+
+* ``allgather`` (its default): one all-gather of K, V over all ``P`` ranks, posted before
+  step 0 and waited on at step 1, so it flies during step 0's compute only; the backward
+  all-gathers K, V again the same way, and passes the float32 dK, dV accumulator one
+  hop per step (posted after step ``i``, waited on after step ``i+1``'s compute, the
+  last one after the loop).
+* ``alltoall``: K, V move one hop per step like the project's ring (C = 1), posted
+  before the step computes, plus the same dK, dV accumulator in the backward.
+"""
+
+from __future__ import annotations
+
+from megatron_startrail.planner import (
+    BACKWARD_FLOPS_RATIO,
+    ClusterSpec,
+    Workload,
+    _collective_time,
+    _exchange_time,
+    overlapped_steps,
+)
+
+
+def predict_torch_ring(cluster: ClusterSpec, work: Workload, cp_size: int, rotate_method: str) -> float:
+    """Predicted forward+backward seconds of PyTorch's ring attention on ``cp_size`` ranks."""
+    p = cp_size
+    s_local = work.seq_length // p
+    kv_bytes = 2 * s_local * work.batch * work.kv_heads * work.head_dim * work.dtype_bytes
+    dkv_bytes = 2 * s_local * work.batch * work.kv_heads * work.head_dim * 4  # float32 accumulators
+    flops = 4 * work.batch * work.heads * work.seq_length**2 * work.head_dim / p / (2 if work.causal else 1)
+    rate = cluster.attention_tflops * 1e12
+    step_fwd, step_bwd = flops / rate / p, BACKWARD_FLOPS_RATIO * flops / rate / p
+
+    def hop(nbytes: float) -> float:
+        return _exchange_time(cluster, [(r, (r + 1) % p, nbytes) for r in range(p)])[0]
+
+    kv_hop, dkv_hop = hop(kv_bytes), hop(dkv_bytes)
+    if rotate_method == "allgather":
+        gather = _collective_time(cluster, [list(range(p))], (p - 1) * kv_bytes)[0]
+        fwd_flying = [gather] + [0.0] * (p - 1)
+        bwd_flying = [gather] + [dkv_hop] * (p - 1)
+    elif rotate_method == "alltoall":
+        fwd_flying = [kv_hop] * (p - 1) + [0.0]
+        bwd_flying = [kv_hop] + [kv_hop + dkv_hop] * (p - 2) + [dkv_hop]
+    else:
+        raise ValueError(f"rotate_method={rotate_method!r}: 'allgather' or 'alltoall'")
+    return (overlapped_steps(cluster.overlap, [step_fwd] * p, fwd_flying)
+            + overlapped_steps(cluster.overlap, [step_bwd] * p, bwd_flying) + dkv_hop)
