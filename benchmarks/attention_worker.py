@@ -1,7 +1,10 @@
 """One rank of the attention benchmark (started by benchmarks/cluster_bench.py).
 
-Runs forward+backward of ``startrail_attn`` for each configuration, times it, and
-reads two byte counts of what crossed node boundaries during the timed iterations:
+First measures the planner's inputs on this cluster (benchmarks/calibration.py). Then
+runs forward+backward of each configuration -- ``startrail_attn`` or PyTorch's ring
+attention (benchmarks/torch_cp_peer.py) -- times it, records per rank where the time of
+each iteration went (a :class:`~megatron_startrail.timeline.Timeline`: blocked in which
+communication, the rest compute), and reads two byte counts of what crossed node boundaries during the timed iterations:
 the project's own accounting (P2P bytes to ranks of other nodes) and the kernel's
 counters of the node's inter-node interfaces (read by the first rank of each node from
 /sys/class/net inside its namespace). Rank 0 writes the results as JSON.
@@ -22,7 +25,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from benchmarks.calibration import measure_cluster
+from benchmarks.torch_cp_peer import torch_ring_attn
 from megatron_startrail import new_startrail_groups, startrail_attn
+from megatron_startrail.timeline import Timeline
 
 
 def node_tx_bytes() -> int:
@@ -69,27 +75,25 @@ def main() -> None:
     v0 = torch.randn(s_local, w["batch"], w["kv_heads"], w["head_dim"], generator=gen).to(dtype)
     dout = torch.randn_like(q0)
 
-    # Latency of one sequential P2P step here (tiny ring exchange, all ranks at once):
-    # on a shared CPU it is process scheduling as much as the network.
-    nxt, prv = (rank + 1) % world, (rank - 1) % world
-    tiny, got, rounds = torch.zeros(1), torch.zeros(1), []
-    for _ in range(30):
-        start = time.perf_counter()
-        for w_ in dist.batch_isend_irecv([dist.P2POp(dist.isend, tiny, nxt), dist.P2POp(dist.irecv, got, prv)]):
-            w_.wait()
-        rounds.append(time.perf_counter() - start)
-    step_latency = torch.tensor([statistics.median(rounds[5:])])
-    dist.all_reduce(step_latency, op=dist.ReduceOp.MAX)
+    calibration = measure_cluster(per_node, spec["rate_mbit"], q0, k0, v0, dout, w["causal"])
 
     results = []
+    timeline = Timeline()
     for config in spec["configs"]:
-        groups = new_startrail_groups(team_size=config["team_size"], ulysses_size=config.get("ulysses", 1))
+        torch_peer = config.get("impl") == "torch"
+        groups = None if torch_peer else new_startrail_groups(team_size=config["team_size"],
+                                                               ulysses_size=config.get("ulysses", 1))
+
+        def attention(q, k, v):
+            if torch_peer:
+                return torch_ring_attn(q, k, v, dist.group.WORLD, causal=w["causal"],
+                                       rotate_method=config["rotate_method"])
+            return startrail_attn(q, k, v, groups, causal=w["causal"], transfer=config.get("transfer", "ring"),
+                                  timeline=timeline)
 
         def step():
             q, k, v = (t.clone().requires_grad_(True) for t in (q0, k0, v0))
-            out, kept = saved_bytes(
-                lambda: startrail_attn(q, k, v, groups, causal=w["causal"], transfer=config.get("transfer", "ring"))
-            )
+            out, kept = saved_bytes(lambda: attention(q, k, v))
             out.backward(dout)
             return kept
 
@@ -97,48 +101,61 @@ def main() -> None:
             step()
         dist.barrier()
         tx0 = node_tx_bytes() if rank % per_node == 0 else 0
-        times, kept = [], 0
+        times, kept, phases, spans = [], 0, [], []
         for _ in range(spec["iters"]):
             dist.barrier()
+            timeline.clear()
             start = time.perf_counter()
             kept = step()
-            elapsed = torch.tensor([time.perf_counter() - start])
+            end = time.perf_counter()
+            phases.append(timeline.phase_seconds(start, end))
+            spans.append([(op, a - start, b - start) for op, a, b in timeline.spans] + [("end", end - start, end - start)])
+            elapsed = torch.tensor([end - start])
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # an iteration ends when the slowest rank does
             times.append(elapsed.item())
         dist.barrier()
         tx1 = node_tx_bytes() if rank % per_node == 0 else 0
-        fwd, bwd = groups.last_forward_stats, groups.last_backward_stats
-        cross = sum(
-            nbytes
-            for stats in (fwd, bwd)
-            for peer, nbytes in stats.p2p_bytes_sent_to.items()
-            if peer // per_node != node
-        )
+        median_iter = sorted(range(len(times)), key=lambda i: times[i])[len(times) // 2]
         mine = {
-            "p2p_bytes_sent": fwd.p2p_bytes_sent + bwd.p2p_bytes_sent,
-            "collective_bytes_sent": fwd.collective_bytes_sent + bwd.collective_bytes_sent,
-            "p2p_steps_forward": fwd.p2p_steps,
-            "p2p_steps_backward": bwd.p2p_steps,
-            "internode_bytes_accounting": cross,
             "internode_bytes_kernel": (tx1 - tx0) / spec["iters"],
             "saved_for_backward_bytes": kept,
+            "phase_seconds": phases[median_iter],
+            "spans": spans[median_iter],
         }
+        if not torch_peer:  # the project's own counters (PyTorch's ring has none)
+            fwd, bwd = groups.last_forward_stats, groups.last_backward_stats
+            mine.update({
+                "p2p_bytes_sent": fwd.p2p_bytes_sent + bwd.p2p_bytes_sent,
+                "collective_bytes_sent": fwd.collective_bytes_sent + bwd.collective_bytes_sent,
+                "p2p_steps_forward": fwd.p2p_steps,
+                "p2p_steps_backward": bwd.p2p_steps,
+                "internode_bytes_accounting": sum(
+                    nbytes for stats in (fwd, bwd) for peer, nbytes in stats.p2p_bytes_sent_to.items()
+                    if peer // per_node != node
+                ),
+            })
         gathered = [None] * world
         dist.all_gather_object(gathered, mine)
         if rank == 0:
-            results.append({
+            row = {
                 **config,
                 "time_ms_median": 1000 * statistics.median(times),
                 "time_ms": [1000 * t for t in times],
-                "p2p_bytes_sent_max": max(g["p2p_bytes_sent"] for g in gathered),
-                "collective_bytes_sent_max": max(g["collective_bytes_sent"] for g in gathered),
-                "p2p_steps_forward": max(g["p2p_steps_forward"] for g in gathered),
-                "p2p_steps_backward": max(g["p2p_steps_backward"] for g in gathered),
-                "internode_bytes_accounting": sum(g["internode_bytes_accounting"] for g in gathered),
                 "internode_bytes_kernel": sum(g["internode_bytes_kernel"] for g in gathered),
                 "saved_for_backward_bytes_max": max(g["saved_for_backward_bytes"] for g in gathered),
-                "step_latency_ms": 1000 * step_latency.item(),
-            })
+                "phase_seconds_per_rank": [g["phase_seconds"] for g in gathered],
+                "spans_per_rank": [g["spans"] for g in gathered],
+                "calibration": calibration,
+            }
+            if not torch_peer:
+                row.update({
+                    "p2p_bytes_sent_max": max(g["p2p_bytes_sent"] for g in gathered),
+                    "collective_bytes_sent_max": max(g["collective_bytes_sent"] for g in gathered),
+                    "p2p_steps_forward": max(g["p2p_steps_forward"] for g in gathered),
+                    "p2p_steps_backward": max(g["p2p_steps_backward"] for g in gathered),
+                    "internode_bytes_accounting": sum(g["internode_bytes_accounting"] for g in gathered),
+                })
+            results.append(row)
     if rank == 0:
         with open(spec["output"], "w") as f:
             json.dump(results, f, indent=1)

@@ -24,59 +24,42 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from benchmarks.netns_cluster import EmulatedCluster, check_requirements  # noqa: E402
+from benchmarks.peer_models import predict_torch_ring  # noqa: E402
+from benchmarks.timeline_report import phase_table, plot_timeline  # noqa: E402
 from megatron_startrail.planner import ClusterSpec, Workload, predict  # noqa: E402
 from megatron_startrail.topology import valid_team_sizes  # noqa: E402
 
 
-def calibrate_tflops(args) -> float:
-    """Effective attention TFLOP/s of one rank here: the whole workload's forward+backward
-    through ``startrail_attn`` on a world of one rank (same kernels, block plans and
-    merges), single-threaded, then shared by all ranks over the machine's cores."""
-    import datetime  # noqa: PLC0415
-    import time  # noqa: PLC0415
-
-    import torch  # noqa: PLC0415
-    import torch.distributed as dist  # noqa: PLC0415
-
-    from megatron_startrail import new_startrail_groups, startrail_attn  # noqa: PLC0415
-
-    torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1,
-                                timeout=datetime.timedelta(seconds=60))
-        groups = new_startrail_groups(team_size=1)
-        kv = args.kv_heads or args.heads
-        shapes = [(args.seq_length, args.batch, h, args.head_dim) for h in (args.heads, kv, kv)]
-        best = float("inf")
-        for _ in range(2):
-            q, k, v = (torch.randn(s, requires_grad=True) for s in shapes)
-            start = time.perf_counter()
-            startrail_attn(q, k, v, groups, causal=not args.no_causal).sum().backward()
-            best = min(best, time.perf_counter() - start)
-        dist.destroy_process_group()
-    flops = 4 * args.batch * args.heads * args.seq_length**2 * args.head_dim * 3.5  # forward + 2.5x backward
-    if not args.no_causal:
-        flops /= 2
-    ranks = args.nodes * args.ranks_per_node
-    return flops / best / 1e12 * min(1.0, (os.cpu_count() or 1) / ranks)
-
-
-def predictions(args, rate_mbit: float, configs: list[dict], tflops: float, latency_s: float) -> dict[str, float]:
-    """The planner's predicted time (ms) per configuration on this emulated cluster.
-
-    Its inputs are measured here, never fitted to the results: the link rate, the
-    attention rate (:func:`calibrate_tflops`) and the latency of one P2P step (the
-    workers time a tiny ring exchange before the benchmark)."""
-    cluster = ClusterSpec(
-        nodes=args.nodes, gpus_per_node=args.ranks_per_node, intra_node_gbs=args.intra_node_gbs,
-        inter_node_gbs=rate_mbit / 8 / 1000, nics_per_node=1, intra_latency_s=latency_s, inter_latency_s=latency_s,
-        attention_tflops=tflops, inter_node_mesh=args.topology == "full_mesh",
+def cluster_spec(args, rate_mbit: float, calibration: dict) -> ClusterSpec:
+    """The planner's view of this emulated cluster, from what the ranks measured on it
+    (benchmarks/calibration.py) before any attention ran: effective inter- and intra-node
+    rates, step latency, attention rate per rank under contention, overlap."""
+    latency = calibration["step_latency_s"]
+    return ClusterSpec(
+        nodes=args.nodes, gpus_per_node=args.ranks_per_node,
+        intra_node_gbs=calibration.get("intra_node_gbs", 1.0),
+        inter_node_gbs=calibration.get("inter_node_gbs", rate_mbit / 8 / 1000), nics_per_node=1,
+        intra_latency_s=latency, inter_latency_s=latency, attention_tflops=calibration["attention_tflops"],
+        overlap=calibration.get("overlap", 1.0), inter_node_mesh=args.topology == "full_mesh",
     )
-    work = Workload(args.seq_length, args.heads, args.kv_heads or args.heads, args.head_dim, args.batch,
+
+
+def workload(args) -> Workload:
+    return Workload(args.seq_length, args.heads, args.kv_heads or args.heads, args.head_dim, args.batch,
                     4 if args.dtype == "float32" else 2, not args.no_causal)
+
+
+def predictions(args, rate_mbit: float, configs: list[dict], calibration: dict) -> dict[str, float]:
+    """The planner's predicted time (ms) per configuration on this emulated cluster."""
+    cluster, work = cluster_spec(args, rate_mbit, calibration), workload(args)
     world = args.nodes * args.ranks_per_node
-    return {c["name"]: 1000 * predict(cluster, work, world, c["team_size"], c["ulysses"], c["transfer"]).time_s
-            for c in configs}
+    out = {}
+    for c in configs:
+        if c["impl"] == "torch":
+            out[c["name"]] = 1000 * predict_torch_ring(cluster, work, world, c["rotate_method"])
+        else:
+            out[c["name"]] = 1000 * predict(cluster, work, world, c["team_size"], c["ulysses"], c["transfer"]).time_s
+    return out
 
 
 def ranking_report(results: list[dict]) -> str:
@@ -91,8 +74,12 @@ def ranking_report(results: list[dict]) -> str:
 
 
 def parse_config(name: str) -> dict:
-    """``ring`` | ``startrail-C`` | ``tasp`` | ``ulysses-UxstartrailC`` | ``startrail-C-multiring``."""
-    config = {"name": name, "team_size": 1, "ulysses": 1, "transfer": "ring"}
+    """``ring`` | ``startrail-C`` | ``tasp`` | ``ulysses-Ux<ring|startrail-C>`` | ``startrail-C-multiring``
+    | ``torch-cp`` (PyTorch's ring attention, its default all-gather rotation) | ``torch-cp-alltoall``."""
+    if name in ("torch-cp", "torch-cp-alltoall"):
+        return {"name": name, "impl": "torch", "rotate_method": "alltoall" if name.endswith("alltoall") else "allgather",
+                "team_size": 1, "ulysses": 1, "transfer": "ring"}
+    config = {"name": name, "impl": "startrail", "team_size": 1, "ulysses": 1, "transfer": "ring"}
     parts = name.split("x")
     if parts[0].startswith("ulysses-"):
         config["ulysses"] = int(parts[0].split("-")[1])
@@ -118,6 +105,7 @@ def run_once(args, rate_mbit: float, configs: list[dict]) -> list[dict]:
                          "kv_heads": args.kv_heads or args.heads, "head_dim": args.head_dim,
                          "dtype": args.dtype, "causal": not args.no_causal},
             "configs": configs, "warmup": args.warmup, "iters": args.iters, "output": out_path,
+            "rate_mbit": rate_mbit or 10000.0,
         }, open(spec_path, "w"))
         procs = []
         for rank in range(world):
@@ -137,17 +125,26 @@ def run_once(args, rate_mbit: float, configs: list[dict]) -> list[dict]:
 
 
 def table(results: list[dict]) -> str:
-    head = ("| link Mbit/s | configuration | time/iter ms | predicted ms | P2P MiB/rank | collective MiB/rank | inter-node MiB "
-            "(accounting) | inter-node MiB (kernel) | steps fwd/bwd | kept for bwd MiB/rank |")
-    lines = [head, "|" + "---|" * 10]
+    """One row per (link rate, configuration); speed-up is over PyTorch's ring (``torch-cp``,
+    its default rotation) at the same rate, when it ran."""
+    head = ("| link Mbit/s | configuration | time/iter ms | speed-up over torch-cp | predicted ms | predicted / measured "
+            "| P2P MiB/rank | collective MiB/rank | inter-node MiB (accounting) | inter-node MiB (kernel) "
+            "| steps fwd/bwd | kept for bwd MiB/rank |")
+    lines = [head, "|" + "---|" * 12]
     mib = 2.0**20
+
+    def num(r, key, scale=mib):
+        return f"{r[key] / scale:.2f}" if key in r else "-"
+
     for r in results:
+        base = next((x for x in results if x["rate_mbit"] == r["rate_mbit"] and x["name"] == "torch-cp"), None)
+        speedup = f"{base['time_ms_median'] / r['time_ms_median']:.2f}x" if base else "-"
+        steps = f"{r['p2p_steps_forward']}/{r['p2p_steps_backward']}" if "p2p_steps_forward" in r else "-"
         lines.append(
-            f"| {r['rate_mbit']:g} | {r['name']} | {r['time_ms_median']:.0f} | {r.get('predicted_ms', 0):.0f} | "
-            f"{r['p2p_bytes_sent_max'] / mib:.2f} | "
-            f"{r['collective_bytes_sent_max'] / mib:.2f} | {r['internode_bytes_accounting'] / mib:.2f} | "
-            f"{r['internode_bytes_kernel'] / mib:.2f} | {r['p2p_steps_forward']}/{r['p2p_steps_backward']} | "
-            f"{r['saved_for_backward_bytes_max'] / mib:.2f} |"
+            f"| {r['rate_mbit']:g} | {r['name']} | {r['time_ms_median']:.0f} | {speedup} | {r['predicted_ms']:.0f} | "
+            f"{r['predicted_ms'] / r['time_ms_median']:.2f} | {num(r, 'p2p_bytes_sent_max')} | "
+            f"{num(r, 'collective_bytes_sent_max')} | {num(r, 'internode_bytes_accounting')} | "
+            f"{num(r, 'internode_bytes_kernel')} | {steps} | {num(r, 'saved_for_backward_bytes_max')} |"
         )
     return "\n".join(lines)
 
@@ -216,24 +213,25 @@ def main() -> int:
                   f"(valid: {valid_team_sizes(world // c['ulysses'])})")
             continue
         configs.append(c)
-    tflops = calibrate_tflops(args)
-    print(f"calibrated attention rate: {tflops * 1e3:.2f} GFLOP/s per rank")
     results = []
     for rate in args.rate_mbit:
         measured = run_once(args, rate, configs)
-        predicted = predictions(args, rate, configs, tflops, measured[0]["step_latency_ms"] / 1000)
+        calibration = measured[0]["calibration"]
+        print(f"{rate:g} Mbit/s, measured on the cluster: {json.dumps(calibration)}")
+        predicted = predictions(args, rate, configs, calibration)
         for r in measured:
             r["predicted_ms"] = predicted[r["name"]]
             results.append(r)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out + ".json", "w") as f:
         json.dump({"argv": sys.argv, "results": results}, f, indent=1)
-    text = table(results) + "\n\n" + ranking_report(results)
+    text = table(results) + "\n\n" + ranking_report(results) + "\n\n" + phase_table(results)
     with open(args.out + ".md", "w") as f:
         f.write(text + "\n")
     plot(results, args.out + ".png")
+    plot_timeline(results, args.out + "_timeline.png")
     print(text)
-    print(f"\nwrote {args.out}.json, {args.out}.md, {args.out}.png")
+    print(f"\nwrote {args.out}.json, {args.out}.md, {args.out}.png, {args.out}_timeline.png")
     return 0
 
 

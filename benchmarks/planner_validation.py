@@ -1,0 +1,106 @@
+"""Planner vs measurement over several emulated clusters (the outputs of cluster_bench.py).
+
+    python benchmarks/planner_validation.py RUN1.json RUN2.json ... --out benchmarks/results/planner_validation
+
+Every run measured its own cluster first (benchmarks/calibration.py: effective link
+rates, step latency, attention rate under contention, overlap) and the planner priced
+every configuration from those numbers alone; no attention timing went into any
+prediction, so every row is held out. Writes OUT.md (per row: measured, predicted,
+error, within 20 %; per cluster: rankings), OUT.json and OUT.png (predicted vs measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+TOLERANCE = 0.20
+
+
+def load(paths: list[str]) -> list[dict]:
+    rows = []
+    for path in paths:
+        run = json.load(open(path))
+        argv = run["argv"]
+        seq = int(argv[argv.index("--seq-length") + 1]) if "--seq-length" in argv else 8192
+        for r in run["results"]:
+            rows.append({**{k: r[k] for k in ("name", "rate_mbit", "nodes", "ranks_per_node", "time_ms_median",
+                                               "predicted_ms", "calibration")},
+                         "seq_length": seq, "source": os.path.basename(path)})
+    return rows
+
+
+def cluster_key(r: dict) -> tuple:
+    return (r["nodes"], r["ranks_per_node"], r["seq_length"], r["rate_mbit"])
+
+
+def report(rows: list[dict]) -> str:
+    lines = ["| cluster | seq | link Mbit/s | configuration | measured ms | predicted ms | error | within 20% |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        err = r["predicted_ms"] / r["time_ms_median"] - 1
+        lines.append(f"| {r['nodes']}x{r['ranks_per_node']} | {r['seq_length']} | {r['rate_mbit']:g} | {r['name']} | "
+                     f"{r['time_ms_median']:.0f} | {r['predicted_ms']:.0f} | {100 * err:+.0f}% | "
+                     f"{'yes' if abs(err) <= TOLERANCE else 'no'} |")
+    lines += ["", "| cluster | seq | link Mbit/s | measured ranking (fastest first) | predicted ranking | match | "
+                  "measured: eff. inter-node MB/s, intra MB/s, GFLOP/s per rank, overlap, step latency ms |",
+              "|---|---|---|---|---|---|---|"]
+    for key in dict.fromkeys(cluster_key(r) for r in rows):
+        group = [r for r in rows if cluster_key(r) == key]
+        measured = [r["name"] for r in sorted(group, key=lambda r: r["time_ms_median"])]
+        predicted = [r["name"] for r in sorted(group, key=lambda r: r["predicted_ms"])]
+        cal = group[0]["calibration"]
+        lines.append(
+            f"| {key[0]}x{key[1]} | {key[2]} | {key[3]:g} | {' < '.join(measured)} | {' < '.join(predicted)} | "
+            f"{'yes' if measured == predicted else 'no'} | {1e3 * cal.get('inter_node_gbs', 0):.1f}, "
+            f"{1e3 * cal.get('intra_node_gbs', 0):.0f}, {1e3 * cal['attention_tflops']:.1f}, "
+            f"{cal.get('overlap', 1.0):.2f}, {1e3 * cal['step_latency_s']:.1f} |")
+    errors = [abs(r["predicted_ms"] / r["time_ms_median"] - 1) for r in rows]
+    within = sum(e <= TOLERANCE for e in errors)
+    lines += ["", f"{within} of {len(rows)} predictions within 20 % of the measured time; "
+                  f"largest error {100 * max(errors):.0f} %."]
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, ax = plt.subplots(figsize=(6, 5))
+    names = list(dict.fromkeys(r["name"] for r in rows))
+    for name in names:
+        pts = [r for r in rows if r["name"] == name]
+        ax.scatter([r["time_ms_median"] for r in pts], [r["predicted_ms"] for r in pts], label=name, s=18)
+    hi = 1.1 * max(max(r["time_ms_median"], r["predicted_ms"]) for r in rows)
+    ax.plot([0, hi], [0, hi], "k-", lw=0.8)
+    ax.fill_between([0, hi], [0, 0.8 * hi], [0, 1.2 * hi], color="grey", alpha=0.15, label="within 20 %")
+    ax.set_xlim(0, hi)
+    ax.set_ylim(0, hi)
+    ax.set_xlabel("measured ms per forward+backward")
+    ax.set_ylabel("predicted ms")
+    ax.legend(fontsize=7)
+    ax.set_title("planner vs emulated clusters (all rows held out)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", help="JSON outputs of cluster_bench.py")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    rows = load(args.runs)
+    text = report(rows)
+    with open(args.out + ".md", "w") as f:
+        f.write(text + "\n")
+    with open(args.out + ".json", "w") as f:
+        json.dump({"runs": args.runs, "rows": rows}, f, indent=1)
+    plot(rows, args.out + ".png")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
