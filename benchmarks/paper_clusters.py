@@ -1,61 +1,112 @@
 """The planner on the StarTrail paper's clusters (Table 1, Figure 7): which of ring,
 StarTrail-2 and StarTrail-4 it predicts fastest, per cluster and workload.
 
-    python benchmarks/paper_clusters.py            # prints the Markdown table
+    python benchmarks/paper_clusters.py            # prints the Markdown tables
 
-Cluster speeds are public figures, not measurements: H100 SXM (NVLink 4: 450 GB/s per
-direction per GPU; 8 x 400 Gbit/s InfiniBand per node = 400 GB/s), A100 40GB (NVLink 3:
-300 GB/s per direction; one 100 Gbit/s Ethernet link per node = 12.5 GB/s). Effective
-attention rates (bf16, FlashAttention-2): 350 TFLOP/s on H100, 170 TFLOP/s on A100.
+Nothing here is measured (we have none of these clusters); every input is a public
+figure or a stated assumption:
+
+* line rates: H100 SXM, NVLink 4 (450 GB/s per direction per GPU), 8 x 400 Gbit/s
+  InfiniBand per node (400 GB/s); A100 40GB, NVLink 3 (300 GB/s), one 100 Gbit/s
+  Ethernet link per node (12.5 GB/s, the paper's Google Cloud nodes).
+* effective rates (what NCCL delivers): assumed 90 % of line rate for NVLink and
+  InfiniBand (RDMA), 50 % for 100 GbE through NCCL's TCP sockets (no RDMA), which
+  typically runs far below line rate.
+* overlap (the planner's ``overlap``: how much of a step's transfer hides behind its
+  compute): assumed 0.7 on GPUs, where NCCL's kernels take SMs and memory bandwidth
+  from the attention kernel they overlap with. On the emulated CPU cluster it is
+  measured (benchmarks/calibration.py); here it is not, so the second table shows the
+  winner for overlap 1.0 / 0.7 / 0.5 and Ethernet at 100 % / 50 % of line rate.
+* attention rates (bf16, FlashAttention-2, forward + backward): 350 TFLOP/s on H100,
+  170 TFLOP/s on A100.
+
 Every run uses 32 GPUs (Figure 7), context parallel size 32, batch 1, bf16, causal for
 GPT and unmasked for DiT. Attention cost depends only on the hidden size (heads x head
-dim), so GPT-3B and GPT-7B (both 4096 wide) share a row.
+dim), so GPT-3B and GPT-7B (both 4096 wide) share a row. The paper reports training
+throughput of the whole model, so its speed-ups include the layers' other work (QKV,
+output and MLP GEMMs: ``24 h^2`` FLOPs per token forward), which StarTrail does not
+change: the "layer" column adds that work at the same rate to both sides.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_startrail.planner import ClusterSpec, Workload, predict  # noqa: E402
+from megatron_startrail.planner import BACKWARD_FLOPS_RATIO, ClusterSpec, Workload, predict  # noqa: E402
 
+NVLINK_EFFICIENCY, IB_EFFICIENCY, ETHERNET_EFFICIENCY, GPU_OVERLAP = 0.9, 0.9, 0.5, 0.7
 CLUSTERS = {
-    "H100 8 GPU/node, 8x400Gbps IB": dict(gpus_per_node=8, intra_node_gbs=450, inter_node_gbs=400, nics_per_node=8,
-                                          attention_tflops=350),
-    "A100 16 GPU/node, 100Gbps Eth": dict(gpus_per_node=16, intra_node_gbs=300, inter_node_gbs=12.5,
-                                          nics_per_node=1, attention_tflops=170),
-    "A100 8 GPU/node, 100Gbps Eth": dict(gpus_per_node=8, intra_node_gbs=300, inter_node_gbs=12.5, nics_per_node=1,
-                                         attention_tflops=170),
-    "A100 4 GPU/node, 100Gbps Eth": dict(gpus_per_node=4, intra_node_gbs=300, inter_node_gbs=12.5, nics_per_node=1,
-                                         attention_tflops=170),
+    "H100 8 GPU/node, 8x400Gbps IB": dict(gpus_per_node=8, intra_node_gbs=450 * NVLINK_EFFICIENCY,
+                                          inter_node_gbs=400 * IB_EFFICIENCY, nics_per_node=8,
+                                          attention_tflops=350, overlap=GPU_OVERLAP),
+    "A100 16 GPU/node, 100Gbps Eth": dict(gpus_per_node=16, intra_node_gbs=300 * NVLINK_EFFICIENCY,
+                                          inter_node_gbs=12.5 * ETHERNET_EFFICIENCY, nics_per_node=1,
+                                          attention_tflops=170, overlap=GPU_OVERLAP),
+    "A100 8 GPU/node, 100Gbps Eth": dict(gpus_per_node=8, intra_node_gbs=300 * NVLINK_EFFICIENCY,
+                                         inter_node_gbs=12.5 * ETHERNET_EFFICIENCY, nics_per_node=1,
+                                         attention_tflops=170, overlap=GPU_OVERLAP),
+    "A100 4 GPU/node, 100Gbps Eth": dict(gpus_per_node=4, intra_node_gbs=300 * NVLINK_EFFICIENCY,
+                                         inter_node_gbs=12.5 * ETHERNET_EFFICIENCY, nics_per_node=1,
+                                         attention_tflops=170, overlap=GPU_OVERLAP),
 }
-WORKLOADS = {
-    "GPT-3B/7B, 128K": Workload(131072, heads=32, kv_heads=32, head_dim=128, causal=True),
-    "GPT-3B/7B, 512K": Workload(524288, heads=32, kv_heads=32, head_dim=128, causal=True),
-    "DiT-1B, 512K": Workload(524288, heads=24, kv_heads=24, head_dim=64, causal=False),
+WORKLOADS = {  # name: (workload, hidden size)
+    "GPT-3B/7B, 128K": (Workload(131072, heads=32, kv_heads=32, head_dim=128, causal=True), 4096),
+    "GPT-3B/7B, 512K": (Workload(524288, heads=32, kv_heads=32, head_dim=128, causal=True), 4096),
+    "DiT-1B, 512K": (Workload(524288, heads=24, kv_heads=24, head_dim=64, causal=False), 1536),
 }
 GPUS = 32
+TEAMS = (1, 2, 4)
 
 
-def rows():
+def other_layer_work_s(cluster: ClusterSpec, work: Workload, hidden: int) -> float:
+    """Forward+backward time of a layer's GEMMs on one GPU's tokens (same on every side)."""
+    flops = 24 * hidden**2 * work.seq_length / GPUS * work.batch * (1 + BACKWARD_FLOPS_RATIO)
+    return flops / (cluster.attention_tflops * 1e12)
+
+
+def rows(overrides: dict | None = None):
     for cname, c in CLUSTERS.items():
         cluster = ClusterSpec(nodes=GPUS // c["gpus_per_node"], **c)
-        for wname, work in WORKLOADS.items():
-            preds = {team: predict(cluster, work, GPUS, team) for team in (1, 2, 4)}
+        if overrides:
+            cluster = dataclasses.replace(cluster, **overrides(cluster))
+        for wname, (work, hidden) in WORKLOADS.items():
+            preds = {team: predict(cluster, work, GPUS, team) for team in TEAMS}
             best = min(preds, key=lambda t: preds[t].time_s)
-            yield cname, wname, preds, best
+            yield cname, wname, cluster, work, hidden, preds, best
+
+
+def winner(best: int) -> str:
+    return "ring" if best == 1 else f"StarTrail-{best}"
 
 
 def main() -> None:
     print("| cluster (32 GPUs) | workload | ring ms | StarTrail-2 ms | StarTrail-4 ms | predicted winner | "
-          "predicted speedup over ring |")
-    print("|---|---|---|---|---|---|---|")
-    for cname, wname, preds, best in rows():
-        name = "ring" if best == 1 else f"StarTrail-{best}"
+          "attention speed-up over ring | layer speed-up over ring |")
+    print("|---|---|---|---|---|---|---|---|")
+    for cname, wname, cluster, work, hidden, preds, best in rows():
         t = {k: v.time_s * 1e3 for k, v in preds.items()}
-        print(f"| {cname} | {wname} | {t[1]:.1f} | {t[2]:.1f} | {t[4]:.1f} | {name} | {t[1] / t[best]:.2f}x |")
+        other = 1e3 * other_layer_work_s(cluster, work, hidden)
+        print(f"| {cname} | {wname} | {t[1]:.1f} | {t[2]:.1f} | {t[4]:.1f} | {winner(best)} | "
+              f"{t[1] / t[best]:.2f}x | {(t[1] + other) / (t[best] + other):.2f}x |")
+    print()
+    settings = [(ov, eth) for ov in (1.0, GPU_OVERLAP, 0.5) for eth in (1.0, ETHERNET_EFFICIENCY)]
+    print("| cluster | workload | " + " | ".join(f"overlap {ov:g}, Eth {eth:.0%}" for ov, eth in settings) + " |")
+    print("|---|---|" + "---|" * len(settings))
+    winners: dict = {}
+    for ov, eth in settings:
+        def change(cluster, ov=ov, eth=eth):
+            rate = cluster.inter_node_gbs if cluster.nics_per_node > 1 else 12.5 * eth
+            return {"overlap": ov, "inter_node_gbs": rate}
+
+        for cname, wname, _, _, _, preds, best in rows(change):
+            winners.setdefault((cname, wname), []).append(
+                f"{winner(best)} {preds[1].time_s / preds[best].time_s:.2f}x")
+    for (cname, wname), cells in winners.items():
+        print(f"| {cname} | {wname} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
