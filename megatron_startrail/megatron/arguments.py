@@ -19,6 +19,7 @@ import argparse
 import os
 
 from ..groups import BACKWARD_ROTATIONS
+from ..kernels.selection import KERNELS
 from ..topology import valid_team_sizes
 from ..transfer import TRANSFERS
 
@@ -66,6 +67,12 @@ def add_startrail_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "--startrail-backward-rotation", choices=BACKWARD_ROTATIONS, default="auto",
         help="What circulates in the backward sub-ring: 'q' (Q, dO, out, lse, dQ; the paper's "
         "choice), 'kv' (K, V, dK, dV), or 'auto' (whichever moves fewer bytes for these shapes).",
+    )
+    group.add_argument(
+        "--startrail-kernel", choices=KERNELS, default="auto",
+        help="Block kernel of the StarTrail schedule: 'auto' (chosen from device, dtype, head dims "
+        "and installed libraries; see the README's table) or one forced by name; a forced kernel "
+        "that cannot take the attention inputs stops the run with an error naming this flag.",
     )
     return parser
 
