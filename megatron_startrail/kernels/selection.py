@@ -144,7 +144,10 @@ def choose_kernel(req: KernelRequest, name: str = "auto") -> KernelChoice:
         why_not = kernel_constraint(rule.name, req)
         if why_not is None:
             if rule.name == "reference":
-                return KernelChoice("reference", "no fused kernel takes " + req.describe() + ": " + "; ".join(rejected))
+                if not rejected:
+                    fused = ", ".join(f"{r.name} ({r.device_type})" for r in RULES if r.device_type and r.auto)
+                    return KernelChoice("reference", f"no fused kernel runs on {req.device_type} (there are: {fused})")
+                return KernelChoice("reference", f"no fused kernel takes {req.describe()}: " + "; ".join(rejected))
             return KernelChoice(rule.name, f"{rule.what} takes {req.describe()}{_padding_note(rule, req)}")
         if rule.device_type in (None, req.device_type):
             rejected.append(why_not)
