@@ -294,6 +294,20 @@ def test_flash_attn_adapters_layout_and_backward_arguments(version, dqk, dv):
         assert relative_error(got.permute(2, 0, 1, 3), want) <= 1e-12
 
 
+@torch.library.custom_op("startrail_test::fake_flash_backward", mutates_args=("dq",), device_types="cpu")
+def _custom_op_backward(dout: torch.Tensor, dq: torch.Tensor, softmax_scale: float, causal: bool,
+                        window_size_left: int, rng_state: torch.Tensor | None = None) -> None:
+    assert window_size_left == -1 and rng_state is None
+    dq.copy_(dout * softmax_scale)
+
+
+def test_call_by_name_through_a_torch_library_custom_op():
+    # flash-attn >= 2.7 wraps _flash_attn_backward in torch.library.custom_op.
+    dout, dq = torch.randn(5), torch.empty(5)
+    call_by_name(_custom_op_backward, dout=dout, dq=dq, softmax_scale=0.5, causal=True)
+    assert torch.equal(dq, dout * 0.5)
+
+
 def test_call_by_name_refuses_unknown_required_parameters():
     def backward(dout, mystery):
         return dout
@@ -342,3 +356,76 @@ def test_forced_kernel_errors_on_every_rank_before_communication():
         assert len(messages) == 2 and "--startrail-kernel" in messages[0]
         assert "--startrail-kernel torch_cuda_flash" in messages[1] and "runs on cuda tensors" in messages[1]
         assert nothing_sent and diff <= TOLERANCE[torch.float32]
+
+
+class _EmulatedAtenOps:
+    """The three CUDA attention ops emulated in float64 on the CPU, with their conventions:
+    no GQA, one head dim (flash, cuDNN), lse padded to 32 rows with junk (efficient) or
+    ``[b, h, sq, 1]`` (cuDNN), and the backward asserting it gets them back that way."""
+
+    ref = ReferenceKernel()
+
+    def _fwd(self, q, k, v, causal, scale, equal_dims):
+        assert q.shape[1] == k.shape[1] == v.shape[1], "the ops take no GQA"
+        assert q.shape[-1] % 8 == 0 and v.shape[-1] % 8 == 0
+        assert not equal_dims or q.shape[-1] == k.shape[-1] == v.shape[-1]
+        return self.ref.forward(q, k, v, causal=causal, scale=scale)
+
+    def _bwd(self, dout, q, k, v, out, lse, causal, scale):
+        return self.ref.backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+
+    def _scaled_dot_product_flash_attention(self, q, k, v, dropout_p, is_causal, debug, *, scale):
+        out, lse = self._fwd(q, k, v, is_causal, scale, True)
+        return out, lse, None, None, q.shape[2], k.shape[2], None, None, None
+
+    def _scaled_dot_product_flash_attention_backward(self, dout, q, k, v, out, lse, cq, ck, mq, mk, p, is_causal,
+                                                     seed, offset, *, scale):
+        assert cq is None and ck is None and (mq, mk) == (q.shape[2], k.shape[2]) and p == 0.0
+        return self._bwd(dout, q, k, v, out, lse, is_causal, scale)
+
+    def _scaled_dot_product_efficient_attention(self, q, k, v, bias, compute_lse, p, is_causal, *, scale):
+        assert bias is None and compute_lse and p == 0.0
+        out, lse = self._fwd(q, k, v, is_causal, scale, False)
+        padded = torch.full((*lse.shape[:2], -(-lse.shape[2] // 32) * 32), float("nan"), dtype=lse.dtype)
+        padded[..., : lse.shape[2]] = lse
+        return out, padded, None, None
+
+    def _scaled_dot_product_efficient_attention_backward(self, dout, q, k, v, bias, out, lse, seed, offset, p, mask,
+                                                         is_causal, *, scale):
+        assert lse.shape[-1] % 32 == 0 and lse.is_contiguous() and list(mask) == [True, True, True, False]
+        return (*self._bwd(dout, q, k, v, out, lse[..., : q.shape[2]], is_causal, scale), None)
+
+    def _scaled_dot_product_cudnn_attention(self, q, k, v, bias, compute_lse, p, is_causal, debug, *, scale):
+        out, lse = self._fwd(q, k, v, is_causal, scale, True)
+        return out, lse.unsqueeze(-1), None, None, q.shape[2], k.shape[2], None, None, None
+
+    def _scaled_dot_product_cudnn_attention_backward(self, dout, q, k, v, out, lse, seed, offset, bias, cq, ck, mq,
+                                                     mk, p, is_causal, *, scale):
+        assert lse.dim() == 4 and lse.shape[-1] == 1 and all(t.is_contiguous() for t in (dout, q, k, v, out))
+        return self._bwd(dout, q, k, v, out, lse.squeeze(-1), is_causal, scale)
+
+
+@pytest.mark.parametrize("kernel", [TorchCUDAFlashKernel(), TorchCUDAEfficientKernel(), TorchCUDACudnnKernel()],
+                         ids=lambda k: k.name)
+@pytest.mark.parametrize("dqk, dv", [(24, 16), (20, 20), (12, 20)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_cuda_adapters_against_emulated_ops(monkeypatch, kernel, dqk, dv, causal):
+    # GQA expansion, head-dim padding (MLA, and dims not a multiple of 8) and the ops' lse
+    # layouts, end to end in float64 against the reference; sq = 40 is not a multiple of 32.
+    from megatron_startrail.kernels import torch_cuda
+
+    monkeypatch.setattr(torch_cuda, "_aten", _EmulatedAtenOps())
+    gen = torch.Generator().manual_seed(13)
+    sq, b, h, kvh = 40, 2, 4, 2
+    sk = sq if causal else 56
+    q, k, v, dout = (torch.randn(shape, generator=gen, dtype=torch.float64)
+                     for shape in [(sq, b, h, dqk), (sk, b, kvh, dqk), (sk, b, kvh, dv), (sq, b, h, dv)])
+    bhsd = lambda x: x.permute(1, 2, 0, 3)  # noqa: E731
+    want_out, want_lse = ReferenceKernel().forward(bhsd(q), bhsd(k), bhsd(v), causal=causal, scale=0.2)
+    want = ReferenceKernel().backward(bhsd(dout), bhsd(q), bhsd(k), bhsd(v), want_out, want_lse, causal=causal,
+                                      scale=0.2)
+    out, lse = kernel.forward(bhsd(q), bhsd(k), bhsd(v), causal=causal, scale=0.2)
+    assert lse.shape == (b, h, sq) and torch.allclose(lse, want_lse, rtol=0, atol=1e-12)
+    grads = kernel.backward(bhsd(dout), bhsd(q), bhsd(k), bhsd(v), out, lse, causal=causal, scale=0.2)
+    for got, ref in zip((out, *grads), (want_out, *want)):
+        assert got.shape == ref.shape and torch.allclose(got, ref, rtol=0, atol=1e-12)

@@ -30,7 +30,9 @@ def call_by_name(fn, **values):
     """Call ``fn`` passing each of its parameters by name from ``values`` or ``_NEUTRAL``;
     a parameter with a default that neither names is left to its default."""
     kwargs = {}
-    for name, param in inspect.signature(fn).parameters.items():
+    # flash-attn >= 2.7 registers its backward with torch.library.custom_op, whose object
+    # only shows (*args, **kwargs); the function it wraps has the real parameters.
+    for name, param in inspect.signature(getattr(fn, "_init_fn", fn)).parameters.items():
         if name in values:
             kwargs[name] = values[name]
         elif name in _NEUTRAL:

@@ -54,7 +54,7 @@ def pad_lse_rows(lse: torch.Tensor, multiple: int = LSE_ROW_ALIGN) -> torch.Tens
     never read (they belong to no query) and are set to 0."""
     b, h, sq = lse.shape
     rows = round_up(sq, multiple)
-    out = lse.new_zeros((b, h, rows), dtype=torch.float32)
+    out = lse.new_zeros((b, h, rows))
     out[..., :sq] = lse
     return out
 

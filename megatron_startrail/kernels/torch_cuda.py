@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .padding import EqualHeadDimsKernel, pad_lse_rows, trim_lse
+from .padding import EqualHeadDimsKernel, cut_head_dim, pad_head_dim, pad_lse_rows, round_up, trim_lse
 from .reference import expand_kv_heads, sum_kv_head_groups
 
 _aten = torch.ops.aten
@@ -54,24 +54,35 @@ class TorchCUDAFlashKernel(EqualHeadDimsKernel):
 
 class TorchCUDAEfficientKernel:
     """``aten::_scaled_dot_product_efficient_attention`` (xFormers' cutlass kernel): fp32 too,
-    and a v head dim different from q/k's, so MLA needs no padding here."""
+    and a v head dim different from q/k's, so MLA needs no common dim here. Each head dim is
+    padded to a multiple of 8 (16-byte rows for half, what the kernel's aligned variants and
+    PyTorch's own dispatch want), which is exact for the same reason as in padding.py."""
 
     name = "torch_cuda_efficient"
+    head_dim_multiple = 8
+
+    def _dims(self, q, v):
+        return round_up(q.shape[-1], self.head_dim_multiple), round_up(v.shape[-1], self.head_dim_multiple)
 
     def forward(self, q, k, v, *, causal, scale):
         h = q.shape[1]
+        d_qk, d_v = self._dims(q, v)
         out, lse, _, _ = _aten._scaled_dot_product_efficient_attention(
-            q, expand_kv_heads(k, h), expand_kv_heads(v, h), None, True, 0.0, causal, scale=scale
+            pad_head_dim(q, d_qk), expand_kv_heads(pad_head_dim(k, d_qk), h), expand_kv_heads(pad_head_dim(v, d_v), h),
+            None, True, 0.0, causal, scale=scale,
         )
-        return out, trim_lse(lse, q.shape[2])
+        return cut_head_dim(out, v.shape[-1]), trim_lse(lse, q.shape[2])
 
     def backward(self, dout, q, k, v, out, lse, *, causal, scale):
         h, hkv = q.shape[1], k.shape[1]
+        d_qk, d_v = self._dims(q, v)
         dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
-            dout, q, expand_kv_heads(k, h), expand_kv_heads(v, h), None, out, pad_lse_rows(lse),
+            pad_head_dim(dout, d_v), pad_head_dim(q, d_qk), expand_kv_heads(pad_head_dim(k, d_qk), h),
+            expand_kv_heads(pad_head_dim(v, d_v), h), None, pad_head_dim(out, d_v), pad_lse_rows(lse),
             _no_rng(q.device), _no_rng(q.device), 0.0, [True, True, True, False], causal, scale=scale,
         )
-        return dq, sum_kv_head_groups(dk, hkv), sum_kv_head_groups(dv, hkv)
+        dk, dv = sum_kv_head_groups(dk, hkv), sum_kv_head_groups(dv, hkv)
+        return cut_head_dim(dq, q.shape[-1]), cut_head_dim(dk, k.shape[-1]), cut_head_dim(dv, v.shape[-1])
 
 
 class TorchCUDACudnnKernel(EqualHeadDimsKernel):
