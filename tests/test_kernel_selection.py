@@ -429,3 +429,30 @@ def test_cuda_adapters_against_emulated_ops(monkeypatch, kernel, dqk, dv, causal
     grads = kernel.backward(bhsd(dout), bhsd(q), bhsd(k), bhsd(v), out, lse, causal=causal, scale=0.2)
     for got, ref in zip((out, *grads), (want_out, *want)):
         assert got.shape == ref.shape and torch.allclose(got, ref, rtol=0, atol=1e-12)
+
+
+def test_megatron_flag_is_checked_at_start_up(monkeypatch):
+    # Through Megatron's own parser: a forced kernel that cannot take the model's attention
+    # inputs fails in validate_startrail_args, before any process group exists.
+    from tests.megatron.utils import cpu_patches  # noqa: F401, PLC0415 - import shims before megatron.training
+    from megatron.training.arguments import parse_args  # noqa: PLC0415
+
+    from megatron_startrail.megatron.arguments import validate_startrail_args  # noqa: PLC0415
+
+    def parse(*extra):
+        monkeypatch.setattr("sys.argv", [
+            "pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
+            "--seq-length", "256", "--max-position-embeddings", "256", "--micro-batch-size", "1",
+            "--global-batch-size", "1", "--train-iters", "1", "--lr", "1e-3", "--attention-dropout", "0",
+            "--context-parallel-size", "2", "--context-parallel-algo", "startrail", "--startrail-team-size", "1",
+            *extra])
+        return parse_args(extra_args_provider=add_startrail_args)
+
+    args = parse()
+    assert args.startrail_kernel == "auto"
+    validate_startrail_args(args)
+    validate_startrail_args(parse("--startrail-kernel", "reference"))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    other = "torch_cpu_flash" if device == "cuda" else "torch_cuda_efficient"
+    with pytest.raises(ValueError, match=f"--startrail-kernel {other} .*runs on .* tensors, these are on {device}"):
+        validate_startrail_args(parse("--startrail-kernel", other))

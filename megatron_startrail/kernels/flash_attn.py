@@ -55,6 +55,8 @@ class _FlashAttnBase(EqualHeadDimsKernel):
         fn = self._interface.flash_attn_func
         extra = {"return_attn_probs": True} if "return_attn_probs" in inspect.signature(fn).parameters else {}
         res = fn(_bshd(q), _bshd(k), _bshd(v), softmax_scale=scale, causal=causal, **extra)
+        if isinstance(res, torch.Tensor):  # a release that returns out only: no lse to merge with
+            raise RuntimeError(f"{self._interface.__name__}.flash_attn_func returned no log-sum-exp")
         out, lse = res[0], res[1]  # 2.x: (out, lse, S_dmask); 3.x: (out, lse)
         return _bshd(out), trim_lse(lse, q.shape[2])
 
