@@ -27,7 +27,7 @@ import sys
 import torch
 
 from benchmarks.gpu_check_kernels import DTYPE_NAMES, TOLERANCE, all_cases, check_case, time_kernel, _timer
-from benchmarks.gpu_check_rank import fused_sdpa, one_rank
+from benchmarks.gpu_check_rank import FusedRow, fused_sdpa, one_rank
 from megatron_startrail.kernels import RULES, KernelRequest, choose_kernel, kernel_constraint, usable_backends
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -159,6 +159,18 @@ def main(argv=None) -> int:
             choice = choose_kernel(KernelRequest(device.type, dtype, dims[0], dims[1], 1, available))
             lines.append(f"| {DTYPE_NAMES[dtype]} | {dims[0]}, {dims[1]} | {choice.name} | {choice.reason} |")
 
+    errors = []  # a part that raised (out of memory, an API this torch lacks): reported, exit 1
+
+    def attempt(what, fn):
+        try:
+            return fn()
+        except Exception as err:  # noqa: BLE001 - reported in the table and the exit status
+            errors.append(f"{what}: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}")
+            print(f"[gpu_check] ERROR {errors[-1]}", flush=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            return None
+
     # 1. accuracy
     rows = [check_case(c, args.block_seq, device, available) for c in all_cases(args.dtypes, args.dims, args.kernels)]
     counts = {s: sum(r.status == s for r in rows) for s in ("PASS", "FAIL", "SKIP")}
@@ -182,8 +194,10 @@ def main(argv=None) -> int:
                                  and r.case.dims == dims for r in rows)
                     if kernel_constraint(name, req) is None and passed:
                         for causal in (True, False):
-                            timing.append(time_kernel(name, dtype, dims, causal, args.timing_seq,
-                                                      args.timing_heads, device, args.iters))
+                            row = attempt(f"timing {name} {DTYPE_NAMES[dtype]} {dims} causal={causal}",
+                                          lambda: time_kernel(name, dtype, dims, causal, args.timing_seq,
+                                                              args.timing_heads, device, args.iters))
+                            timing += [row] if row else []
         lines += ["", "## Block kernel vs torch SDPA (same shapes)", "",
                   f"Median of {args.iters} after a warm-up; kernels that passed part 1 only."]
         lines += [""] + timing_table(timing)
@@ -192,9 +206,14 @@ def main(argv=None) -> int:
     if not args.skip_rank:
         timer = _timer(device)
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        fused = fused_sdpa(args.rank_tokens, args.rank_heads, args.rank_head_dim, dtype, device, timer, args.iters)
-        ranks = [one_rank(p, c, args.rank_tokens, args.rank_heads, args.rank_head_dim, dtype, device, timer,
-                          args.iters) for p, c in args.rank_configs]
+        fused = attempt("fused SDPA over the whole sequence", lambda: fused_sdpa(
+            args.rank_tokens, args.rank_heads, args.rank_head_dim, dtype, device, timer, args.iters))
+        ranks = []
+        for p, c in args.rank_configs:
+            row = attempt(f"one rank P={p} C={c}", lambda: one_rank(
+                p, c, args.rank_tokens, args.rank_heads, args.rank_head_dim, dtype, device, timer, args.iters))
+            ranks += [row] if row else []
+        fused = fused or FusedRow(args.rank_tokens, float("nan"), float("nan"))
         lines += ["", "## One StarTrail rank at long context (no-op process group)", "",
                   "Rank 0 of P, batch 1, causal; communication returns at once (torch's fake process group), so "
                   "this is one rank's compute and memory. Efficiency = (fused SDPA fwd+bwd over the whole sequence "
@@ -204,11 +223,13 @@ def main(argv=None) -> int:
             verdict = "met" if min(at_c2) >= TARGET_EFFICIENCY else "NOT met"
             lines += ["", f"Efficiency at C = 2: {min(at_c2):.2f} (target {TARGET_EFFICIENCY:.2f}: {verdict})."]
 
+    if errors:
+        lines += ["", "## Errors", ""] + [f"- {e}" for e in errors]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")
     print(f"[gpu_check] wrote {args.out}", flush=True)
-    return 1 if counts["FAIL"] else 0
+    return 1 if counts["FAIL"] or errors else 0
 
 
 if __name__ == "__main__":

@@ -72,3 +72,16 @@ def test_cpu_selfcheck_runs_every_part(tmp_path):
     for p, c in ((4, 1), (4, 2)):
         assert f"| {p} | {c} | 256 | 64 | 2 x 16 | fp32 | torch_cpu_flash |" in text  # one-rank run
     assert "Efficiency at C = 2:" in text
+
+
+def test_a_part_that_raises_is_reported_and_fails_the_run(monkeypatch, tmp_path):
+    def boom(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory (pretend)")
+
+    monkeypatch.setattr(gpu_check, "time_kernel", boom)
+    out = tmp_path / "gpu_check.md"
+    status = gpu_check.main(["--cpu-selfcheck", "--skip-rank", "--dtypes", "fp32", "--kernels", "torch_cpu_flash",
+                             "--dims", "16/16", "--out", str(out)])
+    text = out.read_text()
+    assert status == 1 and "## Errors" in text and "RuntimeError: CUDA out of memory (pretend)" in text
+    assert text.count(" | PASS | ") == 4  # the accuracy rows still ran: 2 masks x 2 head layouts
