@@ -27,7 +27,7 @@ from .accounting import AttentionShape, choose_backward_rotation
 from .comm import CommStats, Communicator
 from .documents import agree_on_documents
 from .groups import StarTrailGroups
-from .kernels import select_kernel
+from .kernels import check_kernel, kernel_for
 from .layout import Documents, Segment, rows_of_cp_ranks
 from .schedule import rotate
 from .transfer import TRANSFERS, LaneSplit, sub_ring_lanes
@@ -56,7 +56,7 @@ class _StarTrailAttention(torch.autograd.Function):
         # q [n, b, h, d], k/v [n, b, hkv, d]; n = len(my chunks) * L
         topo, pos = groups.topology, groups.startrail_rank
         c, team = topo.team_size, topo.team_of(pos)
-        kernel = select_kernel(q.device, groups.kernel)
+        kernel = kernel_for(q, k, v, groups.kernel)
         comm = Communicator(fwd_stats, groups.startrail_group, groups.startrail_global_ranks)
         n = q.shape[0]
 
@@ -205,6 +205,7 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Star
         )
     if kv_heads == 0 or heads % kv_heads != 0:
         raise ValueError(f"query heads ({heads}) must be a multiple of kv heads ({kv_heads})")
+    check_kernel(groups.kernel, q, k, v)  # a forced --startrail-kernel that cannot take these: ValueError
     u = groups.ulysses_size
     if u > 1:
         if heads % u != 0:
