@@ -10,7 +10,8 @@ counters of the node's inter-node interfaces (read by the first rank of each nod
 /sys/class/net inside its namespace). Rank 0 writes the results as JSON.
 
 Environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (torch.distributed's env://),
-RANKS_PER_NODE. Argument: a JSON file with the workload and configurations.
+RANKS_PER_NODE, INTER_NODE_LINKS (set by netns_cluster.EmulatedCluster.spawn).
+Argument: a JSON file with the workload and configurations.
 """
 
 from __future__ import annotations
@@ -31,12 +32,10 @@ from megatron_startrail import new_startrail_groups, startrail_attn
 from megatron_startrail.timeline import Timeline
 
 
-def node_tx_bytes() -> int:
-    """Bytes sent so far on this namespace's inter-node interfaces."""
+def node_tx_bytes(links: list[str]) -> int:
+    """Bytes sent so far on this namespace's inter-node interfaces ``links``."""
     total = 0
-    for dev in os.listdir("/sys/class/net"):
-        if dev == "lo" or dev.startswith("stbh"):  # loopback, and the full mesh's host-only pair
-            continue
+    for dev in links:
         with open(f"/sys/class/net/{dev}/statistics/tx_bytes") as f:
             total += int(f.read())
     return total
@@ -64,6 +63,7 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
     rank, world = dist.get_rank(), dist.get_world_size()
     per_node = int(os.environ["RANKS_PER_NODE"])
+    links = [dev for dev in os.environ["INTER_NODE_LINKS"].split(",") if dev]
     node = rank // per_node
     torch.set_num_threads(1)
     w = spec["workload"]
@@ -100,7 +100,7 @@ def main() -> None:
         for _ in range(spec["warmup"]):
             step()
         dist.barrier()
-        tx0 = node_tx_bytes() if rank % per_node == 0 else 0
+        tx0 = node_tx_bytes(links) if rank % per_node == 0 else 0
         times, kept, phases, spans = [], 0, [], []
         for _ in range(spec["iters"]):
             dist.barrier()
@@ -114,7 +114,7 @@ def main() -> None:
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # an iteration ends when the slowest rank does
             times.append(elapsed.item())
         dist.barrier()
-        tx1 = node_tx_bytes() if rank % per_node == 0 else 0
+        tx1 = node_tx_bytes(links) if rank % per_node == 0 else 0
         median_iter = sorted(range(len(times)), key=lambda i: times[i])[len(times) // 2]
         mine = {
             "internode_bytes_kernel": (tx1 - tx0) / spec["iters"],

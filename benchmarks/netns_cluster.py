@@ -5,7 +5,7 @@
 
 Topologies::
 
-    bridge     node namespaces st<i> joined by veth pairs to a bridge in the root
+    bridge     node namespaces <prefix>n<i> joined by veth pairs to a bridge in the root
                namespace; every node's link is shaped on its egress (a NIC of
                rate_mbit each way). Ranks of one node talk over loopback (the kernel
                routes traffic to a local address over lo), so only inter-node bytes
@@ -27,7 +27,11 @@ import os
 import shutil
 import subprocess
 
-PREFIX = "stb"  # namespace / interface name prefix
+def default_prefix() -> str:
+    """Names of one cluster's namespaces and interfaces start with this: unique per process,
+    so that clusters built at the same time on one machine (several benchmark runs, test
+    sessions) neither share nor tear down each other's namespaces."""
+    return f"e{os.getpid() % 100000}"
 MTU = 9000  # fewer headers per byte: kernel counters stay close to payload bytes
 
 
@@ -60,11 +64,14 @@ def _shape(ns: str, dev: str, rate_mbit: float) -> None:
 class EmulatedCluster:
     """``nodes`` namespaces; see the module docstring for the two topologies."""
 
-    def __init__(self, nodes: int, rate_mbit: float | None, topology: str = "bridge") -> None:
+    def __init__(self, nodes: int, rate_mbit: float | None, topology: str = "bridge", prefix: str | None = None) -> None:
         if topology not in ("bridge", "full_mesh"):
             raise ValueError(f"topology={topology!r}: use 'bridge' or 'full_mesh'")
         self.nodes, self.rate_mbit, self.topology = nodes, rate_mbit, topology
-        self.namespaces = [f"{PREFIX}{i}" for i in range(nodes)]
+        self.prefix = prefix or default_prefix()
+        if len(self.prefix) > 6:  # interface names: at most 15 characters
+            raise ValueError(f"prefix {self.prefix!r} is longer than 6 characters")
+        self.namespaces = [f"{self.prefix}n{i}" for i in range(nodes)]
         self._links: list[tuple[str, str]] = []  # (namespace, interface) whose tx counts as inter-node
 
     # -- addresses -------------------------------------------------------------------
@@ -73,7 +80,7 @@ class EmulatedCluster:
         return f"10.78.0.{node + 1}" if self.topology == "bridge" else f"10.79.0.{node + 1}"
 
     def gloo_interface(self, node: int) -> str:
-        return f"{PREFIX}v{node}" if self.topology == "bridge" else f"{PREFIX}h{node}"
+        return f"{self.prefix}v{node}" if self.topology == "bridge" else f"{self.prefix}h{node}"
 
     # -- lifecycle -------------------------------------------------------------------
     def __enter__(self) -> "EmulatedCluster":
@@ -95,11 +102,11 @@ class EmulatedCluster:
         self.teardown()
 
     def _build_bridge(self) -> None:
-        br = f"{PREFIX}br"
+        br = f"{self.prefix}br"
         _run("ip", "link", "add", br, "type", "bridge")
         _run("ip", "link", "set", br, "mtu", str(MTU), "up")
         for i, ns in enumerate(self.namespaces):
-            inner, outer = f"{PREFIX}v{i}", f"{PREFIX}p{i}"
+            inner, outer = f"{self.prefix}v{i}", f"{self.prefix}p{i}"
             _run("ip", "link", "add", inner, "mtu", str(MTU), "type", "veth", "peer", "name", outer, "mtu", str(MTU))
             _run("ip", "link", "set", inner, "netns", ns)
             _run("ip", "link", "set", outer, "master", br, "up")
@@ -113,14 +120,14 @@ class EmulatedCluster:
         for i, ns in enumerate(self.namespaces):
             # The node's own address lives on an unconnected veth pair (this kernel has no
             # dummy interfaces); peers reach it over their direct link (weak host model).
-            host, spare = f"{PREFIX}h{i}", f"{PREFIX}hp{i}"
+            host, spare = f"{self.prefix}h{i}", f"{self.prefix}hp{i}"
             _run("ip", "-n", ns, "link", "add", host, "type", "veth", "peer", "name", spare)
             _run("ip", "-n", ns, "addr", "add", f"{self.address(i)}/32", "dev", host)
             _run("ip", "-n", ns, "link", "set", host, "up")
             _run("ip", "-n", ns, "link", "set", spare, "up")
         for i in range(self.nodes):
             for j in range(i + 1, self.nodes):
-                a, b = f"{PREFIX}{i}x{j}", f"{PREFIX}{j}x{i}"
+                a, b = f"{self.prefix}{i}x{j}", f"{self.prefix}{j}x{i}"
                 _run("ip", "link", "add", a, "mtu", str(MTU), "netns", self.namespaces[i], "type", "veth",
                      "peer", "name", b, "mtu", str(MTU), "netns", self.namespaces[j])
                 for node, dev, peer in ((i, a, j), (j, b, i)):
@@ -136,9 +143,9 @@ class EmulatedCluster:
     def teardown(self) -> None:
         for ns in self.namespaces:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        subprocess.run(["ip", "link", "del", f"{PREFIX}br"], capture_output=True)
+        subprocess.run(["ip", "link", "del", f"{self.prefix}br"], capture_output=True)
         for i in range(self.nodes):
-            subprocess.run(["ip", "link", "del", f"{PREFIX}p{i}"], capture_output=True)
+            subprocess.run(["ip", "link", "del", f"{self.prefix}p{i}"], capture_output=True)
         self._links = []
 
     # -- use -------------------------------------------------------------------------
@@ -151,6 +158,8 @@ class EmulatedCluster:
         return out
 
     def spawn(self, node: int, argv: list[str], env: dict[str, str], **popen) -> subprocess.Popen:
-        """Start ``argv`` inside ``node``'s namespace, gloo bound to its interface."""
-        full_env = dict(os.environ, **env, GLOO_SOCKET_IFNAME=self.gloo_interface(node))
+        """Start ``argv`` inside ``node``'s namespace, gloo bound to its interface, with the
+        names of the node's inter-node interfaces in ``INTER_NODE_LINKS`` (comma-separated)."""
+        links = ",".join(dev for ns, dev in self._links if ns == self.namespaces[node])
+        full_env = dict(os.environ, **env, GLOO_SOCKET_IFNAME=self.gloo_interface(node), INTER_NODE_LINKS=links)
         return subprocess.Popen(["ip", "netns", "exec", self.namespaces[node], *argv], env=full_env, **popen)

@@ -42,3 +42,20 @@ def test_communicator_records_one_span_per_blocking_call():
 def test_ops_map_to_phases():
     assert phase_of("sub_ring_grad") == "ring wait" and phase_of("team_merge") == "merge"
     assert phase_of("something_new") == "other comm"
+
+
+def attention_worker(rank, world_size):
+    from megatron_startrail import new_startrail_groups, startrail_attn  # noqa: PLC0415
+
+    groups = new_startrail_groups(team_size=2)
+    gen = torch.Generator().manual_seed(rank)
+    q, k, v = (torch.randn(8, 1, 2, 4, generator=gen, requires_grad=True) for _ in range(3))
+    timeline = Timeline()
+    startrail_attn(q, k, v, groups, timeline=timeline).sum().backward()
+    return {op for op, _, _ in timeline.spans}
+
+
+def test_startrail_attn_records_every_phase_forward_and_backward():
+    for ops in run_ranks(attention_worker, 8):
+        # C = 2 on 8 ranks: team gathers, merge and reduce-scatter, the sub-ring both ways.
+        assert {"team_all_gather", "team_merge", "sub_ring", "sub_ring_grad", "team_reduce_scatter"} <= ops
