@@ -72,6 +72,24 @@ class PendingP2P:
             self._timeline.add(self._op, start, time.perf_counter())
 
 
+class PendingCollective:
+    """A collective started with ``wait=False``: ``wait()`` blocks until it is done (the
+    time blocked goes to ``timeline`` under ``op``) and returns its output."""
+
+    def __init__(self, work, out: torch.Tensor, timeline=None, op: str = "") -> None:
+        self._work, self._out = work, out
+        self._timeline, self._op = timeline, op
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            start = time.perf_counter() if self._timeline is not None else None
+            self._work.wait()
+            self._work = None
+            if start is not None:
+                self._timeline.add(self._op, start, time.perf_counter())
+        return self._out
+
+
 class Communicator:
     """Collectives on one group and P2P on another, recording into ``stats``.
 
@@ -86,14 +104,23 @@ class Communicator:
         self.p2p_global_ranks = p2p_global_ranks
         self.timeline = timeline
 
-    def _timed(self, op: str, fn, *args, **kwargs):
-        """Run a blocking collective, recording its span when a timeline is on."""
+    def _run(self, op: str, fn, out: torch.Tensor, *args, wait: bool, **kwargs):
+        """Run a collective writing ``out``: blocking (``wait=True``, returns ``out``, its
+        span recorded when a timeline is on) or started (returns a :class:`PendingCollective`)."""
+        if not wait:
+            return PendingCollective(fn(*args, async_op=True, **kwargs), out, self.timeline, op)
         if self.timeline is None:
-            return fn(*args, **kwargs)
+            fn(*args, **kwargs)
+            return out
         start = time.perf_counter()
-        result = fn(*args, **kwargs)
+        fn(*args, **kwargs)
         self.timeline.add(op, start, time.perf_counter())
-        return result
+        return out
+
+    @staticmethod
+    def _done(out: torch.Tensor, wait: bool):
+        """The result of a collective that moves nothing (a group of one)."""
+        return out if wait else PendingCollective(None, out)
 
     # -- point to point --------------------------------------------------------------
     def post(
@@ -132,41 +159,40 @@ class Communicator:
         self.stats.collective_bytes_recv += moved
         self.stats.bytes_sent_by_op[op] += moved
 
-    def all_gather(self, x: torch.Tensor, group, group_size: int, *, op: str) -> torch.Tensor:
+    # ``wait=False`` starts the collective and returns a PendingCollective instead of
+    # the output, so that compute or other transfers can run while it flies.
+    def all_gather(self, x: torch.Tensor, group, group_size: int, *, op: str, wait: bool = True):
         """``[n, ...]`` on each rank -> ``[group_size * n, ...]``, concatenated in rank order."""
         if group_size == 1:
-            return x
+            return self._done(x, wait)
         x = x.contiguous()
         out = x.new_empty((group_size * x.shape[0],) + tuple(x.shape[1:]))
-        self._timed(op, _all_gather, out, x, group=group)
         self._count_collective(op, (group_size - 1) * _nbytes(x))
-        return out
+        return self._run(op, _all_gather, out, out, x, group=group, wait=wait)
 
-    def reduce_scatter(self, x: torch.Tensor, group, group_size: int, *, op: str) -> torch.Tensor:
+    def reduce_scatter(self, x: torch.Tensor, group, group_size: int, *, op: str, wait: bool = True):
         """Sum of ``[group_size * n, ...]`` over the group; this rank keeps its ``[n, ...]`` slice."""
         if group_size == 1:
-            return x
+            return self._done(x, wait)
         x = x.contiguous()
         out = x.new_empty((x.shape[0] // group_size,) + tuple(x.shape[1:]))
-        self._timed(op, _reduce_scatter, out, x, group=group)
         self._count_collective(op, (group_size - 1) * _nbytes(out))
-        return out
+        return self._run(op, _reduce_scatter, out, out, x, group=group, wait=wait)
 
-    def all_to_all(self, x: torch.Tensor, group, group_size: int, *, op: str) -> torch.Tensor:
+    def all_to_all(self, x: torch.Tensor, group, group_size: int, *, op: str, wait: bool = True):
         """``[group_size, ...]``: slice ``i`` goes to rank ``i``; returns slices by source."""
         if group_size == 1:
-            return x
+            return self._done(x, wait)
         x = x.contiguous()
         out = torch.empty_like(x)
-        self._timed(op, dist.all_to_all_single, out, x, group=group)
         self._count_collective(op, (group_size - 1) * _nbytes(x) // group_size)
-        return out
+        return self._run(op, dist.all_to_all_single, out, out, x, group=group, wait=wait)
 
     def all_reduce_max(self, x: torch.Tensor, group, group_size: int, *, op: str) -> torch.Tensor:
         """Element-wise maximum of ``x`` over the group (a new tensor)."""
         if group_size == 1:
             return x
         x = x.clone()
-        self._timed(op, dist.all_reduce, x, op=dist.ReduceOp.MAX, group=group)
+        self._run(op, dist.all_reduce, x, x, op=dist.ReduceOp.MAX, group=group, wait=True)
         self._count_collective(op, 2 * (group_size - 1) * _nbytes(x) // group_size)
         return x

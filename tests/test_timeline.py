@@ -59,3 +59,24 @@ def test_startrail_attn_records_every_phase_forward_and_backward():
     for ops in run_ranks(attention_worker, 8):
         # C = 2 on 8 ranks: team gathers, merge and reduce-scatter, the sub-ring both ways.
         assert {"team_all_gather", "team_merge", "sub_ring", "sub_ring_grad", "team_reduce_scatter"} <= ops
+
+
+def async_worker(rank, world_size):
+    group, ranks = dist.group.WORLD, tuple(range(world_size))
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(rank))
+    sync_stats, async_stats, timeline = CommStats(), CommStats(), Timeline()
+    sync, started = Communicator(sync_stats, group, ranks), Communicator(async_stats, group, ranks, timeline)
+    want = [sync.all_gather(x, group, world_size, op="g"), sync.all_to_all(x, group, world_size, op="a"),
+            sync.reduce_scatter(x, group, world_size, op="r")]
+    pending = [started.all_gather(x, group, world_size, op="g", wait=False),
+               started.all_to_all(x, group, world_size, op="a", wait=False),
+               started.reduce_scatter(x, group, world_size, op="r", wait=False)]
+    got = [p.wait() for p in pending]
+    return all(torch.equal(g, w) for g, w in zip(got, want)), sync_stats.as_dict() == async_stats.as_dict(), \
+        [op for op, _, _ in timeline.spans]
+
+
+def test_started_collectives_give_the_blocking_results_and_counts():
+    for same, same_counts, ops in run_ranks(async_worker, 2):
+        assert same and same_counts
+        assert ops == ["g", "a", "r"]  # one span per wait()
