@@ -1,6 +1,8 @@
 """examples/pretrain_gpt.py end to end (megatron.training's parse_args and pretrain, DDP,
-Adam, LR schedule, data loader): CP4 with StarTrail (x TP2 or x PP2) logs the losses of
-the same command with --context-parallel-size 1."""
+Adam, LR schedule, Megatron's datasets and data loader): CP4 with StarTrail (x TP2 or x PP2)
+logs the losses of the same command with --context-parallel-size 1; packed documents
+(--dataloader-inter-document-masking) with StarTrail CP4 log the losses of Megatron's dense
+per-document mask (--reset-attention-mask --reset-position-ids) at CP 1."""
 
 import contextlib
 import importlib.util
@@ -9,6 +11,7 @@ import math
 import os
 import re
 
+import numpy as np
 import pytest
 
 from tests.megatron.utils import cpu_patches  # noqa: F401  (import shims before megatron.training)
@@ -36,10 +39,10 @@ def example_worker(rank, world_size, argv):
     return [(int(m[1]), int(m[2]), float(m[3]), float(m[4])) for m in LOG_LINE.finditer(out.getvalue())]
 
 
-def losses(world_size, *flags):
+def losses(world_size, *flags, iters=4):
     logged = run_ranks(example_worker, world_size, args=([*COMMON, *flags],), timeout=240)
     lines = logged[-1]  # megatron.training logs on the last rank
-    assert [(i, n) for i, n, _, _ in lines] == [(i, 4) for i in range(1, 5)]
+    assert [(i, n) for i, n, _, _ in lines] == [(i, iters) for i in range(1, iters + 1)]
     assert all(tokens_per_s > 0 for *_, tokens_per_s in lines)
     return [loss for _, _, loss, _ in lines]
 
@@ -66,3 +69,46 @@ def test_tokens_per_second_is_read_off_megatrons_line():
             " lm loss: 4.602513E+00 | loss scale: 1.0 |")
     assert with_tokens_per_second(line, 2048) == line + " tokens/s: 20480.0 |"  # 4 x 2048 / 0.4 s
     assert with_tokens_per_second("done with setup ...", 2048) == "done with setup ..."
+
+
+def short_documents(path_prefix, num_docs=400, seed=0):
+    """An indexed dataset (Megatron's builder, as examples/data/make_indexed_dataset.py writes
+    the licenses) of short documents, each a random pattern of 2-6 bytes repeated, then EOD:
+    what a document holds predicts its own next tokens, so attention across documents
+    matters to the loss. Documents of length 1, shorter than 2*CP and longer than a CP
+    chunk all fall inside the test's 256-token samples."""
+    rng = np.random.default_rng(seed)
+    lengths = np.concatenate([[1, 1, 2, 3, 5], rng.integers(1, 120, size=num_docs)])
+    eod = pretrain_gpt.make_indexed_dataset.EOD
+    docs = []
+    for n in lengths:
+        pattern = rng.integers(0, eod, size=rng.integers(2, 7))
+        docs.append(np.append(np.resize(pattern, n - 1), eod))
+    pretrain_gpt.make_indexed_dataset.write_indexed_dataset(docs, path_prefix)
+    return path_prefix
+
+
+def test_packed_documents_with_startrail_log_the_losses_of_megatrons_dense_document_mask(tmp_path):
+    data = ["--data-path", short_documents(str(tmp_path / "docs")), "--split", "100,0,0",
+            "--tensor-model-parallel-size", "2"]
+    packed = losses(8, *data, "--context-parallel-size", "4", "--context-parallel-algo", "startrail",
+                    "--startrail-team-size", "2", "--dataloader-inter-document-masking")
+    dense_mask = losses(2, *data, "--context-parallel-size", "1", "--reset-attention-mask", "--reset-position-ids")
+    no_mask = losses(2, *data, "--context-parallel-size", "1")
+    assert all(math.isfinite(x) for x in packed + dense_mask + no_mask)
+    for got, want in zip(packed, dense_mask):
+        assert abs(got - want) <= 1e-4 * want, (packed, dense_mask)
+    # Document masking changes the losses, by 10x more than the agreement allowed above
+    # (measured: up to 6.6e-3 relative at iteration 4).
+    assert max(abs(a - b) / b for a, b in zip(dense_mask, no_mask)) > 1e-3, (dense_mask, no_mask)
+
+
+def test_dense_document_mask_is_refused_with_startrail_and_packed_needs_startrail_on_cpu():
+    # Errors are raised in the ranks before any communication; run_ranks reports their tracebacks.
+    with pytest.raises(AssertionError, match="ValueError: --reset-attention-mask") as refused:
+        run_ranks(example_worker, 4, args=([*COMMON, "--context-parallel-size", "4", "--context-parallel-algo",
+                                            "startrail", "--reset-attention-mask"],), timeout=120)
+    assert "use --dataloader-inter-document-masking" in str(refused.value)
+    with pytest.raises(AssertionError, match="ValueError: --dataloader-inter-document-masking") as refused:
+        run_ranks(example_worker, 1, args=([*COMMON, "--dataloader-inter-document-masking"],), timeout=120)
+    assert "use --reset-attention-mask --reset-position-ids" in str(refused.value)
