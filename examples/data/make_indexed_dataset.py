@@ -45,6 +45,21 @@ def license_documents(path: str = TEXT) -> list[np.ndarray]:
     return [np.append(data[s:e].astype(np.int64), EOD) for s, e in zip(DOCUMENT_STARTS, ends)]
 
 
+def short_documents(num_docs: int = 400, seed: int = 0) -> list[np.ndarray]:
+    """Synthetic documents for checks of document masking: lengths 1, 1, 2, 3, 5, then random
+    in [1, 120), each a random pattern of 2-6 bytes repeated, then EOD. What a document holds
+    predicts its own next tokens, so attention across documents changes the loss, and a
+    few-hundred-token sample packs many documents (length 1, shorter than 2*CP, longer than
+    a CP chunk)."""
+    rng = np.random.default_rng(seed)
+    lengths = np.concatenate([[1, 1, 2, 3, 5], rng.integers(1, 120, size=num_docs)])
+    docs = []
+    for n in lengths:
+        pattern = rng.integers(0, EOD, size=rng.integers(2, 7))
+        docs.append(np.append(np.resize(pattern, n - 1), EOD))
+    return docs
+
+
 def write_indexed_dataset(documents: list[np.ndarray], prefix: str) -> None:
     """``prefix``.bin/.idx with one sequence per document, via Megatron's IndexedDatasetBuilder.
 
@@ -75,9 +90,12 @@ def ensure_built(prefix: str = DEFAULT_PREFIX) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output-prefix", default=DEFAULT_PREFIX, help="Writes PREFIX.bin and PREFIX.idx.")
+    parser.add_argument("--short-documents", type=int, default=None, metavar="N",
+                        help="Write N synthetic short documents (see short_documents) instead of the licenses.")
     args = parser.parse_args(argv)
-    write_indexed_dataset(license_documents(), args.output_prefix)
-    print(f"wrote {args.output_prefix}.bin/.idx: {len(DOCUMENT_STARTS)} documents, EOD {EOD}, "
+    docs = license_documents() if args.short_documents is None else short_documents(args.short_documents)
+    write_indexed_dataset(docs, args.output_prefix)
+    print(f"wrote {args.output_prefix}.bin/.idx: {len(docs)} documents, EOD {EOD}, "
           f"--tokenizer-type NullTokenizer --vocab-size {VOCAB_SIZE}")
 
 

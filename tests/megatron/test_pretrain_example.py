@@ -11,7 +11,6 @@ import math
 import os
 import re
 
-import numpy as np
 import pytest
 
 from tests.megatron.utils import cpu_patches  # noqa: F401  (import shims before megatron.training)
@@ -71,25 +70,12 @@ def test_tokens_per_second_is_read_off_megatrons_line():
     assert with_tokens_per_second("done with setup ...", 2048) == "done with setup ..."
 
 
-def short_documents(path_prefix, num_docs=400, seed=0):
-    """An indexed dataset (Megatron's builder, as examples/data/make_indexed_dataset.py writes
-    the licenses) of short documents, each a random pattern of 2-6 bytes repeated, then EOD:
-    what a document holds predicts its own next tokens, so attention across documents
-    matters to the loss. Documents of length 1, shorter than 2*CP and longer than a CP
-    chunk all fall inside the test's 256-token samples."""
-    rng = np.random.default_rng(seed)
-    lengths = np.concatenate([[1, 1, 2, 3, 5], rng.integers(1, 120, size=num_docs)])
-    eod = pretrain_gpt.make_indexed_dataset.EOD
-    docs = []
-    for n in lengths:
-        pattern = rng.integers(0, eod, size=rng.integers(2, 7))
-        docs.append(np.append(np.resize(pattern, n - 1), eod))
-    pretrain_gpt.make_indexed_dataset.write_indexed_dataset(docs, path_prefix)
-    return path_prefix
-
-
 def test_packed_documents_with_startrail_log_the_losses_of_megatrons_dense_document_mask(tmp_path):
-    data = ["--data-path", short_documents(str(tmp_path / "docs")), "--split", "100,0,0",
+    # Short documents (make_indexed_dataset.short_documents): every 256-token sample packs many,
+    # of length 1, shorter than 2*CP and longer than a CP chunk.
+    make = pretrain_gpt.make_indexed_dataset
+    make.write_indexed_dataset(make.short_documents(), str(tmp_path / "docs"))
+    data = ["--data-path", str(tmp_path / "docs"), "--split", "100,0,0",
             "--tensor-model-parallel-size", "2"]
     packed = losses(8, *data, "--context-parallel-size", "4", "--context-parallel-algo", "startrail",
                     "--startrail-team-size", "2", "--dataloader-inter-document-masking")
