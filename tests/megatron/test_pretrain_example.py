@@ -4,6 +4,7 @@ logs the losses of the same command with --context-parallel-size 1; packed docum
 (--dataloader-inter-document-masking) with StarTrail CP4 log the losses of Megatron's dense
 per-document mask (--reset-attention-mask --reset-position-ids) at CP 1."""
 
+import argparse
 import contextlib
 import importlib.util
 import io
@@ -89,12 +90,11 @@ def test_packed_documents_with_startrail_log_the_losses_of_megatrons_dense_docum
     assert max(abs(a - b) / b for a, b in zip(dense_mask, no_mask)) > 1e-3, (dense_mask, no_mask)
 
 
-def test_dense_document_mask_is_refused_with_startrail_and_packed_needs_startrail_on_cpu():
-    # Errors are raised in the ranks before any communication; run_ranks reports their tracebacks.
-    with pytest.raises(AssertionError, match="ValueError: --reset-attention-mask") as refused:
-        run_ranks(example_worker, 4, args=([*COMMON, "--context-parallel-size", "4", "--context-parallel-algo",
-                                            "startrail", "--reset-attention-mask"],), timeout=120)
-    assert "use --dataloader-inter-document-masking" in str(refused.value)
-    with pytest.raises(AssertionError, match="ValueError: --dataloader-inter-document-masking") as refused:
-        run_ranks(example_worker, 1, args=([*COMMON, "--dataloader-inter-document-masking"],), timeout=120)
-    assert "use --reset-attention-mask --reset-position-ids" in str(refused.value)
+def test_packed_documents_need_startrail_with_megatrons_local_attention():
+    # (--reset-attention-mask with StarTrail is refused by validate_startrail_args: test_arguments.py)
+    args = argparse.Namespace(context_parallel_algo="megatron", context_parallel_size=1, transformer_impl="local",
+                              dataloader_inter_document_masking=True, sft=False)
+    with pytest.raises(ValueError, match="use --reset-attention-mask --reset-position-ids"):
+        pretrain_gpt.validate_example_args(args)
+    args.context_parallel_algo, args.context_parallel_size = "startrail", 4
+    pretrain_gpt.validate_example_args(args)  # accepted
