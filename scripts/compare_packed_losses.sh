@@ -7,9 +7,13 @@
 #             (Megatron's own attention with its dense per-document mask from EOD tokens)
 #   no mask:  2 ranks, TP2, CP=1, plain causal attention across documents
 # packed must equal dense (<= 1e-4 relative) and differ from no mask.
-# Default data: --mock-data, NullTokenizer, --vocab-size ${VOCAB:-1024}, --seq-length
-# ${SEQ:-4096}. Extra arguments go to all three runs (later flags win), e.g.
-# --data-path PREFIX --vocab-size 257 for an indexed dataset.
+# Default data: --mock-data, NullTokenizer, --vocab-size ${VOCAB:-4096}, --seq-length
+# ${SEQ:-4096}. Extra arguments go to all three runs (later flags win).
+# Why 4096: Megatron's MockGPTLowLevelDataset fills a document of length L (1 <= L < 4096) with
+# (1, 2, ..., L-1) % vocab and then EOD = vocab-1, so with a smaller vocabulary a long document
+# holds EOD ids inside it: --reset-attention-mask cuts it there, while the dataset's cu_seqlens
+# (--dataloader-inter-document-masking) do not, and the two runs mask different documents
+# (VOCAB=1024 shows it). With vocab >= 4096 EOD ends documents only.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/env.sh"
@@ -18,7 +22,7 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 OUT="${OUT:-$(mktemp -d)}"
 mkdir -p "$OUT"
 SEQ="${SEQ:-4096}"
-COMMON=(--mock-data --tokenizer-type NullTokenizer --vocab-size "${VOCAB:-1024}"
+COMMON=(--mock-data --tokenizer-type NullTokenizer --vocab-size "${VOCAB:-4096}"
     --seq-length "$SEQ" --max-position-embeddings "$SEQ" --tensor-model-parallel-size 2
     --num-layers 2 --hidden-size 128 --num-attention-heads 8
     --micro-batch-size 1 --global-batch-size 2 --train-iters "${ITERS:-4}"
