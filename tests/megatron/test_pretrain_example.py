@@ -13,6 +13,7 @@ import os
 import re
 
 import pytest
+import torch
 
 from tests.megatron.utils import cpu_patches  # noqa: F401  (import shims before megatron.training)
 from tests.multiproc import run_ranks
@@ -98,3 +99,45 @@ def test_packed_documents_need_startrail_with_megatrons_local_attention():
         pretrain_gpt.validate_example_args(args)
     args.context_parallel_algo, args.context_parallel_size = "startrail", 4
     pretrain_gpt.validate_example_args(args)  # accepted
+
+
+def batches_worker(rank, world_size, argv):
+    """Run the example; return a digest of every micro-batch this rank's get_batch gave."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    digests, read = [], pretrain_gpt.get_batch
+
+    def recording(data_iterator, vp_stage=None):
+        batch = read(data_iterator, vp_stage)
+        tokens = batch["tokens"].long()
+        digests.append((int(tokens.sum()), int((tokens * torch.arange(tokens.numel()).view_as(tokens)).sum()),
+                        batch["cu_seqlens"].tolist(), int(batch["position_ids"].sum())))
+        return batch
+
+    pretrain_gpt.get_batch = recording  # in this forked rank only
+    with contextlib.redirect_stdout(io.StringIO()):
+        pretrain_gpt.main(argv)
+    return digests
+
+
+def test_resumed_run_reads_the_batches_of_an_uninterrupted_run(tmp_path):
+    """--save after 2 iterations, --load, 2 more: Megatron's sampler restarts at the consumed
+    samples, so every rank gets the packed micro-batches (tokens, cu_seqlens, position ids) of
+    iterations 3-4 of an uninterrupted 4-iteration run."""
+    make = pretrain_gpt.make_indexed_dataset
+    make.write_indexed_dataset(make.short_documents(), str(tmp_path / "docs"))
+    argv = [*COMMON, "--data-path", str(tmp_path / "docs"), "--split", "100,0,0",
+            "--context-parallel-size", "2", "--context-parallel-algo",
+            "startrail", "--startrail-team-size", "1", "--dataloader-inter-document-masking",
+            "--ckpt-format", "torch", "--lr-decay-iters", "4"]
+    checkpoint = str(tmp_path / "checkpoint")
+    full = run_ranks(batches_worker, 2, args=(argv,), timeout=240)
+    run_ranks(batches_worker, 2, args=([*argv, "--train-iters", "2", "--save", checkpoint, "--save-interval", "2"],),
+              timeout=240)
+    resumed = run_ranks(batches_worker, 2, args=([*argv, "--load", checkpoint,
+                                                  "--use-checkpoint-opt_param-scheduler"],), timeout=240)
+    for rank in range(2):
+        # global batch 2 = 2 micro-batches per iteration: 8 different ones in 4 iterations
+        assert len(full[rank]) == 8 and len(set(map(str, full[rank]))) == 8
+        assert resumed[rank] == full[rank][4:], rank
+    assert any(len(d[2][0]) > 3 for d in full[0])  # the samples really pack several documents
