@@ -4,15 +4,16 @@
         --tensor-model-parallel-size 2 --context-parallel-size 4 \
         --context-parallel-algo startrail --startrail-team-size 2 \
         --num-layers 2 --hidden-size 128 --num-attention-heads 8 --seq-length 2048 \
-        --micro-batch-size 1 --global-batch-size 4 --train-iters 30 --lr 2e-3 --log-interval 1
+        --micro-batch-size 1 --global-batch-size 4 --train-iters 30 --lr 2e-3 --log-interval 1 \
+        --dataloader-inter-document-masking
 
 Megatron's own training program: ``megatron.training.arguments.parse_args`` with the
 StarTrail flags added through ``extra_args_provider``, then ``megatron.training.pretrain``
 (DDP, the Megatron optimizer and LR schedule, the pipeline schedules, its data loader and
 its ``training_log`` lines, plus tokens/s). The only StarTrail-specific steps are here in
 :func:`initialize_parallel` (groups built once, right after ``initialize_model_parallel``)
-and :func:`model_provider` (the layer spec with StarTrail core attention). Batches go
-through ``get_batch_on_this_cp_rank`` unchanged.
+and :func:`model_provider` (the layer spec with StarTrail core attention and, for packed
+documents, the sample-layout RoPE of ``megatron_startrail.megatron.packed_rope``).
 
 Runs on GPUs (nccl, Transformer Engine spec when ``--transformer-impl
 transformer_engine``) and on CPU-only machines (gloo, local spec, with
