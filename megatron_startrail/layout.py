@@ -106,11 +106,6 @@ class Documents:
     cu_seqlens: tuple[int, ...]
     cu_seqlens_padded: tuple[int, ...] | None = None
 
-    @property
-    def total_tokens(self) -> int:
-        """Tokens of the sample over all CP ranks (padding included)."""
-        return (self.cu_seqlens_padded or self.cu_seqlens)[-1]
-
 
 def dense_sequence(cp_size: int, local_tokens: int) -> Documents:
     """No document masking: one document covering the whole sequence."""

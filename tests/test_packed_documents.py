@@ -102,6 +102,15 @@ def test_plan_covers_exactly_the_same_document_pairs(cp, layout):
             assert torch.equal(_coverage(q_segs, k_segs, causal), want.long()), (qs, ks, causal)
 
 
+def test_empty_documents_hold_no_rows():
+    # Repeated boundaries (empty documents, e.g. collate padding left in) take no rows.
+    sample = documents_from_cu_seqlens((0, 0, 5, 5, 8), None, 2, 4)
+    assert cp_rank_segments(sample, 0) == ((1, 0, 2), (3, 6, 8))
+    assert cp_rank_segments(sample, 1) == ((1, 2, 4), (1, 4, 5), (3, 5, 6))
+    document = documents_from_cu_seqlens((0, 3, 3, 4), (0, 4, 4, 8), 2, 4)
+    assert cp_rank_segments(document, 0) == ((0, 0, 1), (PADDING, 3, 4), (2, 4, 5), (PADDING, 7, 8))
+
+
 def test_dense_sequence_is_one_document():
     assert cp_rank_segments(dense_sequence(2, 8), 1) == ((0, 4, 8), (0, 8, 12))
 
