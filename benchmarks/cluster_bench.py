@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from benchmarks.netns_cluster import EmulatedCluster, check_requirements  # noqa: E402
 from benchmarks.peer_models import predict_torch_ring  # noqa: E402
-from benchmarks.timeline_report import phase_table, plot_timeline  # noqa: E402
+from benchmarks.timeline_report import phase_summary, phase_table, plot_timeline  # noqa: E402
 from megatron_startrail.planner import ClusterSpec, Workload, predict  # noqa: E402
 from megatron_startrail.topology import valid_team_sizes  # noqa: E402
 
@@ -225,7 +225,8 @@ def main() -> int:
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out + ".json", "w") as f:
         json.dump({"argv": sys.argv, "results": results}, f, indent=1)
-    text = table(results) + "\n\n" + ranking_report(results) + "\n\n" + phase_table(results)
+    text = "\n\n".join([table(results), ranking_report(results), "Mean over ranks:", phase_summary(results),
+                          phase_table(results)])
     with open(args.out + ".md", "w") as f:
         f.write(text + "\n")
     plot(results, args.out + ".png")

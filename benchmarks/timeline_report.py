@@ -20,6 +20,19 @@ def _with_timeline(results: list[dict]) -> list[dict]:
     return [r for r in results if r.get("impl") != "torch" and r.get("spans_per_rank")]
 
 
+def phase_summary(results: list[dict]) -> str:
+    """Per rate and configuration: ms per phase, averaged over the ranks."""
+    head = "| link Mbit/s | configuration | " + " | ".join(f"{c} ms" for c in COLUMNS) + " | exposed comm ms |"
+    lines = [head, "|" + "---|" * (len(COLUMNS) + 3)]
+    for r in _with_timeline(results):
+        per_rank = r["phase_seconds_per_rank"]
+        mean = {c: sum(ph.get(c, 0.0) for ph in per_rank) / len(per_rank) for c in COLUMNS}
+        cells = " | ".join(f"{1000 * mean[c]:.0f}" for c in COLUMNS)
+        exposed = sum(v for k, v in mean.items() if k != "compute")
+        lines.append(f"| {r['rate_mbit']:g} | {r['name']} | {cells} | {1000 * exposed:.0f} |")
+    return "\n".join(lines)
+
+
 def phase_table(results: list[dict]) -> str:
     """Per rate, configuration and rank: ms per phase; exposed comm = all but compute."""
     head = "| link Mbit/s | configuration | rank | " + " | ".join(f"{c} ms" for c in COLUMNS) + " | exposed comm ms |"
