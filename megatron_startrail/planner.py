@@ -254,9 +254,13 @@ def main() -> None:
     p.add_argument("--nodes", type=int, required=True)
     p.add_argument("--gpus-per-node", type=int, required=True)
     p.add_argument("--intra-node-gbs", type=float, default=300.0, help="GB/s per GPU per direction")
-    p.add_argument("--inter-node-gbps", type=float, default=3200.0, help="Gbit/s per node, all NICs")
+    p.add_argument("--inter-node-gbps", type=float, default=3200.0,
+                   help="effective Gbit/s per node, all NICs (what NCCL delivers, not the line rate)")
     p.add_argument("--nics-per-node", type=int, default=8)
     p.add_argument("--attention-tflops", type=float, default=150.0)
+    p.add_argument("--overlap", type=float, default=1.0,
+                   help="fraction of a sub-ring step's transfer hidden behind its compute (measure it: "
+                        "benchmarks/calibration.py does on the emulated cluster)")
     p.add_argument("--cp-size", type=int, required=True)
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--seq-length", type=int, required=True)
@@ -268,7 +272,8 @@ def main() -> None:
     p.add_argument("--no-causal", action="store_true")
     args = p.parse_args()
     cluster = ClusterSpec(args.nodes, args.gpus_per_node, args.intra_node_gbs, args.inter_node_gbps / 8,
-                          args.nics_per_node, attention_tflops=args.attention_tflops, cp_stride=args.tp_size)
+                          args.nics_per_node, attention_tflops=args.attention_tflops, overlap=args.overlap,
+                          cp_stride=args.tp_size)
     work = Workload(args.seq_length, args.heads // args.tp_size, (args.kv_heads or args.heads) // args.tp_size,
                     args.head_dim, args.batch, args.dtype_bytes, not args.no_causal)
     print(f"{'configuration':28} {'time ms':>9} {'compute ms':>11} {'exposed comm ms':>16} {'inter-node MiB/node':>20}")
