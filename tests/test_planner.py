@@ -52,3 +52,15 @@ def test_choose_team_size_default_cluster_gives_a_valid_size():
         c = choose_team_size(cp_size=cp, ulysses_size=1, gpus_per_node=8, seq_length=131072, num_heads=32,
                              num_kv_heads=8, head_dim=128, micro_batch_size=1, dtype_bytes=2)
         assert c in valid_team_sizes(cp)
+
+
+def test_overlap_prices_hidden_and_serialised_steps():
+    from megatron_startrail.planner import overlapped_steps  # noqa: PLC0415
+
+    assert overlapped_steps(1.0, [3.0, 1.0], [1.0, 2.0]) == pytest.approx(3.0 + 2.0)
+    assert overlapped_steps(0.0, [3.0, 1.0], [1.0, 2.0]) == pytest.approx(7.0)
+    assert overlapped_steps(0.5, [3.0], [1.0]) == pytest.approx(3.5)
+    # Less overlap never makes a configuration faster.
+    full, half = slow_link_cluster(2, 4), slow_link_cluster(2, 4, overlap=0.5)
+    for c in (1, 2):
+        assert predict(half, WORK, 8, c).time_s >= predict(full, WORK, 8, c).time_s
