@@ -12,6 +12,10 @@ Forward on StarTrail position ``r`` (team ``t``, member ``m``; DESIGN.md section
 Backward (paper 3.2.1): all-gather dO, out, lse in the team; run the same sub-ring
 schedule with either Q-side or K/V-side circulating (``rotation``); send dK, dV back
 along the reverse of the initial send; reduce-scatter dQ, dK, dV in the team.
+
+Packed documents change none of these phases: the rows every rank holds are described
+by segments of documents (Note [documents] in :mod:`megatron_startrail.layout`), and the
+block planner only pairs rows of the same document.
 """
 
 from __future__ import annotations
@@ -21,9 +25,10 @@ import torch
 from . import blocks
 from .accounting import AttentionShape, choose_backward_rotation
 from .comm import CommStats, Communicator
+from .documents import agree_on_documents
 from .groups import StarTrailGroups
 from .kernels import select_kernel
-from .layout import Segment, whole_chunks
+from .layout import Documents, Segment, rows_of_cp_ranks
 from .schedule import rotate
 from .transfer import TRANSFERS, LaneSplit, sub_ring_lanes
 from .ulysses import gather_sequence, scatter_sequence
@@ -31,10 +36,12 @@ from .ulysses import gather_sequence, scatter_sequence
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-def _team_segments(groups: StarTrailGroups, team: int, chunk_len: int) -> tuple[Segment, ...]:
-    """The rows of a team's gathered sequence as segments of global chunks (members in order)."""
-    chunks = tuple(c for pos in groups.topology.team_positions(team) for c in groups.position_chunks(pos))
-    return whole_chunks(chunks, chunk_len)
+def _team_segments(groups: StarTrailGroups, docs: Documents, team: int) -> tuple[Segment, ...]:
+    """The rows of a team's gathered sequence as segments (members in order, each member
+    holding the CP ranks of its Ulysses group in order)."""
+    u = groups.ulysses_size
+    cp_ranks = tuple(p * u + i for p in groups.topology.team_positions(team) for i in range(u))
+    return rows_of_cp_ranks(docs, cp_ranks)
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -45,14 +52,13 @@ class _StarTrailAttention(torch.autograd.Function):
     """Exact attention over the StarTrail group, on post-Ulysses local tensors."""
 
     @staticmethod
-    def forward(ctx, q, k, v, groups: StarTrailGroups, causal, scale, rotation, transfer, fwd_stats, bwd_stats):
+    def forward(ctx, q, k, v, groups: StarTrailGroups, docs, causal, scale, rotation, transfer, fwd_stats, bwd_stats):
         # q [n, b, h, d], k/v [n, b, hkv, d]; n = len(my chunks) * L
         topo, pos = groups.topology, groups.startrail_rank
         c, team = topo.team_size, topo.team_of(pos)
         kernel = select_kernel(q.device, groups.kernel)
         comm = Communicator(fwd_stats, groups.startrail_group, groups.startrail_global_ranks)
         n = q.shape[0]
-        chunk_len = n // len(groups.position_chunks(pos))
 
         # 1. team all-gather                       [C*n, b, h, d], [C*n, 2, b, hkv, d]
         q_team = comm.all_gather(q, groups.team_group, c, op="team_all_gather")
@@ -70,10 +76,10 @@ class _StarTrailAttention(torch.autograd.Function):
         acc_dtype = _acc_dtype(q.dtype)
         acc_out = q.new_zeros((b, h, c * n, d), dtype=acc_dtype)
         acc_lse = q.new_full((b, h, c * n), float("-inf"), dtype=acc_dtype)
-        q_segments = _team_segments(groups, team, chunk_len)
+        q_segments = _team_segments(groups, docs, team)
         kv_rot = LaneSplit(
-            sub_ring_lanes(topo, pos, transfer), chunk_len,
-            lambda origin: _team_segments(groups, topo.kv_team_at_step(origin, 0), chunk_len),
+            sub_ring_lanes(topo, pos, transfer), c * n,
+            lambda origin: _team_segments(groups, docs, topo.kv_team_at_step(origin, 0)),
         )
 
         def attend(step, payloads):
@@ -82,7 +88,7 @@ class _StarTrailAttention(torch.autograd.Function):
                 blocks.forward_step(kernel, q_team, kv, q_segments, k_segments, acc_out, acc_lse,
                                     causal=causal, scale=scale)
 
-        rotate(comm, kv_rot.lanes, pos, kv_rot.split(pos, [kv_init]), attend, op="sub_ring")
+        rotate(comm, kv_rot.lanes, pos, kv_rot.split([kv_init]), attend, op="sub_ring")
 
         # 4. team merge: member m keeps rows [m*n, (m+1)*n) of the team's queries
         if c == 1:
@@ -98,27 +104,27 @@ class _StarTrailAttention(torch.autograd.Function):
         lse = lse.permute(2, 0, 1).contiguous()  # [n, b, h]: sequence first, for the gather
 
         ctx.save_for_backward(q_team, kv_init, out, lse)
-        ctx.groups, ctx.causal, ctx.scale, ctx.kernel = groups, causal, scale, kernel
+        ctx.groups, ctx.docs, ctx.causal, ctx.scale, ctx.kernel = groups, docs, causal, scale, kernel
         ctx.rotation, ctx.transfer, ctx.bwd_stats = rotation, transfer, bwd_stats
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q_team, kv_init, out, lse = ctx.saved_tensors
-        groups, causal, scale, kernel = ctx.groups, ctx.causal, ctx.scale, ctx.kernel
+        groups, docs, causal, scale, kernel = ctx.groups, ctx.docs, ctx.causal, ctx.scale, ctx.kernel
         topo, pos = groups.topology, groups.startrail_rank
         c, team = topo.team_size, topo.team_of(pos)
         comm = Communicator(ctx.bwd_stats, groups.startrail_group, groups.startrail_global_ranks)
         dtype, acc_dtype = q_team.dtype, _acc_dtype(q_team.dtype)
-        chunk_len = out.shape[0] // len(groups.position_chunks(pos))
+        rows = c * out.shape[0]  # of the team's gathered sequence
         lanes = sub_ring_lanes(topo, pos, ctx.transfer)
 
         # 1. team all-gather of the query-side inputs of the block backward
         do_out = comm.all_gather(torch.stack([dout, out], dim=1), groups.team_group, c, op="team_all_gather")
         lse_team = comm.all_gather(lse, groups.team_group, c, op="team_all_gather")  # [C*n, b, h]
         q_side = torch.cat([q_team.unsqueeze(1), do_out], dim=1)  # [C*n, 3 (q, dO, out), b, h, d]
-        own_q_segments = _team_segments(groups, team, chunk_len)
-        own_kv_segments = _team_segments(groups, topo.kv_team_at_step(pos, 0), chunk_len)
+        own_q_segments = _team_segments(groups, docs, team)
+        own_kv_segments = _team_segments(groups, docs, topo.kv_team_at_step(pos, 0))
 
         def grads(qs, lse_rows, kv, q_segments, kv_segments, dq, dkv):
             blocks.backward_step(kernel, qs[:, 0], qs[:, 1], qs[:, 2], lse_rows, kv, q_segments, kv_segments,
@@ -127,7 +133,7 @@ class _StarTrailAttention(torch.autograd.Function):
         # 2. the sub-ring, one side fixed, the other circulating with its gradients
         if ctx.rotation == "q":
             dkv_init = kv_init.new_zeros(kv_init.shape, dtype=acc_dtype)
-            q_rot = LaneSplit(lanes, chunk_len, lambda origin: _team_segments(groups, topo.team_of(origin), chunk_len))
+            q_rot = LaneSplit(lanes, rows, lambda origin: _team_segments(groups, docs, topo.team_of(origin)))
 
             def step_q(step, payloads):
                 contrib = []
@@ -138,13 +144,13 @@ class _StarTrailAttention(torch.autograd.Function):
                     contrib.append([dq])
                 return contrib
 
-            home = rotate(comm, q_rot.lanes, pos, q_rot.split(pos, [q_side, lse_team]), step_q,
+            home = rotate(comm, q_rot.lanes, pos, q_rot.split([q_side, lse_team]), step_q,
                           op="sub_ring", accumulate=True)
-            dq_team = q_rot.join(pos, [lane_acc[0] for lane_acc in home])
+            dq_team = q_rot.join([lane_acc[0] for lane_acc in home])
         else:
             dq_team = q_team.new_zeros(q_team.shape, dtype=acc_dtype)
             kv_rot = LaneSplit(
-                lanes, chunk_len, lambda origin: _team_segments(groups, topo.kv_team_at_step(origin, 0), chunk_len)
+                lanes, rows, lambda origin: _team_segments(groups, docs, topo.kv_team_at_step(origin, 0))
             )
 
             def step_kv(step, payloads):
@@ -156,9 +162,9 @@ class _StarTrailAttention(torch.autograd.Function):
                     contrib.append([dkv])
                 return contrib
 
-            home = rotate(comm, kv_rot.lanes, pos, kv_rot.split(pos, [kv_init]), step_kv,
+            home = rotate(comm, kv_rot.lanes, pos, kv_rot.split([kv_init]), step_kv,
                           op="sub_ring", accumulate=True)
-            dkv_init = kv_rot.join(pos, [lane_acc[0] for lane_acc in home])
+            dkv_init = kv_rot.join([lane_acc[0] for lane_acc in home])
 
         # 3. dK, dV go back along the reverse of the initial send
         dst, src = topo.init_send_dst(pos), topo.init_send_src(pos)
@@ -170,7 +176,7 @@ class _StarTrailAttention(torch.autograd.Function):
         # 4. team reduce-scatter (float32): every member keeps its own rows
         dq = comm.reduce_scatter(dq_team, groups.team_group, c, op="team_reduce_scatter")
         dkv = comm.reduce_scatter(dkv_team, groups.team_group, c, op="team_reduce_scatter")
-        return dq.to(dtype), dkv[:, 0].to(dtype), dkv[:, 1].to(dtype), None, None, None, None, None, None, None
+        return dq.to(dtype), dkv[:, 0].to(dtype), dkv[:, 1].to(dtype), None, None, None, None, None, None, None, None
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: StarTrailGroups) -> None:
@@ -221,6 +227,8 @@ def startrail_attn(
     *,
     causal: bool = True,
     softmax_scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_padded: torch.Tensor | None = None,
     transfer: str = "ring",
 ) -> torch.Tensor:
     """Exact softmax attention over the whole context-parallel group.
@@ -230,16 +238,28 @@ def startrail_attn(
     ``[s_local, b, heads, dim]``. GQA/MQA: ``kv_heads`` divides ``heads`` and K/V are
     never replicated to the query heads inside the ring.
 
+    Packed documents (Note [documents] in :mod:`megatron_startrail.layout`): with
+    ``cu_seqlens`` (int32 ``[n_docs + 1]``, global, the same on every CP rank) attention
+    stays inside each document. Without ``cu_seqlens_padded`` the whole packed sample is
+    zigzagged (Megatron pretraining); with it every document's padded span is zigzagged
+    on its own (Transformer Engine THD, Megatron SFT) and padding rows give 0 output and
+    0 gradients. Packed input may be ``[t_local, heads, dim]`` (THD; the output is too)
+    or ``[t_local, 1, heads, dim]``.
+
     ``transfer="multiring"`` spreads each sub-ring transfer over the ``G - 1``
     arc-disjoint Hamiltonian cycles of the sub-ring's ranks (TASP), for sub-rings inside
     a fully connected node; ``"ring"`` is StarTrail's single sub-ring.
     """
     if transfer not in TRANSFERS:
         raise ValueError(f"transfer={transfer!r} is not one of {TRANSFERS}")
+    thd = cu_seqlens is not None and q.dim() == 3
+    if thd:  # [t, h, d] -> [t, 1, h, d]
+        q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
     check_inputs(q, k, v, groups)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     fwd_stats, bwd_stats = CommStats(), CommStats()
     groups.last_forward_stats, groups.last_backward_stats = fwd_stats, bwd_stats
+    docs = agree_on_documents(cu_seqlens, cu_seqlens_padded, q.shape[0], q.shape[1], groups, fwd_stats, q.device)
     rotation = groups.backward_rotation
     if rotation == "auto":
         shape = AttentionShape(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], q.element_size())
@@ -247,7 +267,7 @@ def startrail_attn(
 
     if groups.ulysses_size > 1:
         q, k, v = gather_sequence(q, k, v, groups, fwd_stats, bwd_stats)
-    out = _StarTrailAttention.apply(q, k, v, groups, causal, scale, rotation, transfer, fwd_stats, bwd_stats)
+    out = _StarTrailAttention.apply(q, k, v, groups, docs, causal, scale, rotation, transfer, fwd_stats, bwd_stats)
     if groups.ulysses_size > 1:
         out = scatter_sequence(out, groups, fwd_stats, bwd_stats)
-    return out
+    return out.squeeze(1) if thd else out

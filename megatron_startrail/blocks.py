@@ -1,7 +1,8 @@
-"""Block work of one sub-ring step: kernel calls over chunk pairs, and the lse merge.
+"""Block work of one sub-ring step: kernel calls over segment pairs, and the lse merge.
 
 Tensors here are in Megatron's sequence-first layout; the rows are runs of tokens of
-global chunks, listed alongside as segments (see :mod:`megatron_startrail.layout`)::
+one document each, listed alongside as segments (Note [documents] in
+:mod:`megatron_startrail.layout`); rows of padding take part in no kernel call::
 
     q-side   q, dout, out  [Sq, b, h, d]      lse [b, h, Sq] (forward), [Sq, b, h] (backward)
     kv-side  kv            [Sk, 2, b, hkv, d] (K and V stacked)

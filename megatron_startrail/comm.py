@@ -143,3 +143,12 @@ class Communicator:
         dist.all_to_all_single(out, x, group=group)
         self._count_collective(op, (group_size - 1) * _nbytes(x) // group_size)
         return out
+
+    def all_reduce_max(self, x: torch.Tensor, group, group_size: int, *, op: str) -> torch.Tensor:
+        """Element-wise maximum of ``x`` over the group (a new tensor)."""
+        if group_size == 1:
+            return x
+        x = x.clone()
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
+        self._count_collective(op, 2 * (group_size - 1) * _nbytes(x) // group_size)
+        return x

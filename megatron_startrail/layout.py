@@ -1,4 +1,4 @@
-"""Which sequence chunks a rank holds, and which (query chunk, key chunk) blocks to compute.
+"""Which tokens a rank holds, and which (query rows, key rows) blocks to compute.
 
 Megatron's context-parallel layout is used unchanged (what
 ``megatron.core.utils.get_batch_on_this_cp_rank`` produces): the sequence is cut into
@@ -9,17 +9,48 @@ With Ulysses inside CP (``CP = U * S``), CP rank ``s*U + u`` is Ulysses rank ``u
 StarTrail position ``s``. The Ulysses all-to-all gathers the sequence of the ``U``
 consecutive CP ranks in Ulysses-rank order, so StarTrail position ``s`` then holds the
 ``2U`` chunks ``[c, 2CP-1-c for c in s*U .. s*U+U-1]`` (still zigzag pairs), for a slice
-of the heads.
+of the heads. Everything after the Ulysses all-to-all and the team all-gather is a
+concatenation of CP ranks' storage, so it is described by concatenating their segments.
+
+Note [documents]
+----------------
+Local storage is described by *segments* ``(document, start, stop)``: consecutive rows
+holding the GLOBAL token positions ``start .. stop-1`` of one document, listed in
+storage order and back to back. Query row ``i`` may see key row ``j`` only if both
+belong to the same document (and, causal, ``pos(j) <= pos(i)``). Rows of padding have
+document :data:`PADDING`: they see nothing and nothing sees them, so their output is 0,
+their lse ``-inf`` and their gradients 0 without any special case.
+
+A packed sample (:class:`Documents`) comes in one of two layouts::
+
+    sample layout    cu_seqlens only; the whole sample (S tokens) is zigzagged:
+                     rank r holds chunks r, 2CP-1-r of S (Megatron pretraining,
+                     --dataloader-inter-document-masking); positions 0 .. S-1
+    document layout  cu_seqlens_padded too; every document's padded span is
+                     zigzagged on its own: rank r holds, per document in order, chunks
+                     r, 2CP-1-r of the span (Transformer Engine THD, Megatron --sft);
+                     positions are padded positions, real tokens first in each span
+
+Example, CP = 2, document layout, cu_seqlens = [0, 3, 8], cu_seqlens_padded = [0, 4, 12]
+(spans of 4 and 8 tokens, chunks of 1 and 2)::
+
+    rank 0: (0, 0, 1) (PAD, 3, 4)  | (1, 4, 6) (PAD, 10, 12)
+    rank 1: (0, 1, 2) (0, 2, 3)    | (1, 6, 8) (1, 8, 9) (PAD, 9, 10)
+
+Segments are cut at chunk edges, document edges and a document's real end. The dense
+case (no cu_seqlens) is one document covering the sequence, so one planner serves all.
 
 Note [causal blocks]
 --------------------
-Work is dispatched on global chunk indices. For query chunk ``x`` and key chunk ``y``
-(whole chunks; runs of tokens inside one chunk are handled by :func:`plan_blocks`)::
+For a query segment and a key segment of the same document (positions ``[qa, qb)`` and
+``[ka, kb)``), query ``i`` sees key ``j`` iff ``j <= i``; see :func:`plan_blocks`. For
+whole chunks of one document this is::
 
-    y < x   full block     (every query sees every key)
-    y == x  diagonal block (causal mask inside the block; lengths are equal, so
-                            the kernel's top-left-aligned causal mask is right)
-    y > x   skipped        (every query is earlier than every key)
+    key chunk y < query chunk x   full block     (every query sees every key)
+    y == x                        diagonal block (causal mask inside the block; lengths
+                                                  are equal, so the kernel's top-left
+                                                  aligned causal mask is right)
+    y > x                         skipped        (every query is earlier than every key)
 
 Example, CP = 2 (4 chunks), rank 0 holds chunks (0, 3), rank 1 holds (1, 2)::
 
@@ -31,11 +62,12 @@ Example, CP = 2 (4 chunks), rank 0 holds chunks (0, 3), rank 1 holds (1, 2)::
 
 Every zigzag pair of queries against every zigzag pair of keys holds exactly two
 chunk-blocks of work, so the layout is load balanced for causal masks with no extra
-data movement.
+data movement. Segments of different documents make no block at all.
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
 from dataclasses import dataclass
 
@@ -53,47 +85,157 @@ def startrail_position_chunks(position: int, ulysses_size: int, cp_size: int) ->
     return tuple(chunks)
 
 
-# A run of tokens of one global chunk: (chunk index, start, stop), offsets inside the chunk.
-# Local storage holds its segments back to back, in the order listed.
+
+# Rows of local storage: (document, start, stop), global token positions [start, stop)
+# of one document, back to back in storage order (Note [documents]).
 Segment = tuple[int, int, int]
+PADDING = -1  # the document of padding rows: they see nothing and nothing sees them
+
+
+@dataclass(frozen=True)
+class Documents:
+    """The documents of one packed sample and how CP ranks hold it (Note [documents]).
+
+    ``cu_seqlens`` (real lengths) and ``cu_seqlens_padded`` (``None`` for the sample
+    layout) are global cumulative lengths, ``cu[0] == 0``; validated by
+    :func:`documents_from_cu_seqlens`. Plain tuples, so the object is hashable and
+    cheap to use as a cache key.
+    """
+
+    cp_size: int
+    cu_seqlens: tuple[int, ...]
+    cu_seqlens_padded: tuple[int, ...] | None = None
+
+    @property
+    def total_tokens(self) -> int:
+        """Tokens of the sample over all CP ranks (padding included)."""
+        return (self.cu_seqlens_padded or self.cu_seqlens)[-1]
+
+
+def dense_sequence(cp_size: int, local_tokens: int) -> Documents:
+    """No document masking: one document covering the whole sequence."""
+    return Documents(cp_size, (0, cp_size * local_tokens))
+
+
+def _check_cu(name: str, cu: tuple[int, ...]) -> str | None:
+    if len(cu) < 2 or cu[0] != 0:
+        return f"{name} must start with 0 and hold n_docs + 1 >= 2 entries, got {list(cu[:8])}"
+    bad = next((i for i in range(1, len(cu)) if cu[i] < cu[i - 1]), None)
+    if bad is not None:
+        return (f"{name} must be non-decreasing (cumulative document lengths), but "
+                f"{name}[{bad}] = {cu[bad]} < {name}[{bad - 1}] = {cu[bad - 1]}")
+    return None
+
+
+def documents_from_cu_seqlens(
+    cu_seqlens: tuple[int, ...], cu_seqlens_padded: tuple[int, ...] | None, cp_size: int, local_tokens: int
+) -> Documents | str:
+    """The :class:`Documents` of a packed sample, or a message saying what to change.
+
+    Pure and local (no communication): the caller makes every rank agree before raising.
+    """
+    held = cp_size * local_tokens
+    error = _check_cu("cu_seqlens", cu_seqlens)
+    if error:
+        return error
+    if cu_seqlens_padded is None:
+        if cu_seqlens[-1] != held:
+            return (f"cu_seqlens[-1] = {cu_seqlens[-1]} must equal the tokens of the packed sample, "
+                    f"{cp_size} CP ranks x {local_tokens} = {held} (sample layout: the whole sample is "
+                    f"zigzagged; pass cu_seqlens_padded for per-document zigzag)")
+        return Documents(cp_size, cu_seqlens)
+    error = _check_cu("cu_seqlens_padded", cu_seqlens_padded)
+    if error:
+        return error
+    if len(cu_seqlens_padded) != len(cu_seqlens):
+        return (f"cu_seqlens_padded has {len(cu_seqlens_padded)} entries but cu_seqlens has "
+                f"{len(cu_seqlens)}: both list n_docs + 1 boundaries")
+    for i in range(len(cu_seqlens) - 1):
+        span, real = cu_seqlens_padded[i + 1] - cu_seqlens_padded[i], cu_seqlens[i + 1] - cu_seqlens[i]
+        if span % (2 * cp_size) != 0 or span < real:
+            return (f"document {i} has {real} tokens in a padded span of {span}: every span must be at "
+                    f"least the document and divisible by 2 * --context-parallel-size = {2 * cp_size} "
+                    f"(pad each sequence to a multiple of {2 * cp_size}, as Megatron's --sft does)")
+    if cu_seqlens_padded[-1] != held:
+        return (f"cu_seqlens_padded[-1] = {cu_seqlens_padded[-1]} must equal the tokens of the packed "
+                f"sample, {cp_size} CP ranks x {local_tokens} = {held}")
+    return Documents(cp_size, cu_seqlens, cu_seqlens_padded)
+
+
+def _cut_at_documents(cu: tuple[int, ...], start: int, stop: int) -> list[Segment]:
+    """Positions ``[start, stop)`` of the sample layout, cut at document edges."""
+    out = []
+    doc = bisect.bisect_right(cu, start) - 1
+    while start < stop:
+        while cu[doc + 1] <= start:  # skip empty documents
+            doc += 1
+        end = min(stop, cu[doc + 1])
+        out.append((doc, start, end))
+        start = end
+    return out
+
+
+@functools.lru_cache(maxsize=1024)
+def cp_rank_segments(docs: Documents, cp_rank: int) -> tuple[Segment, ...]:
+    """The segments of CP rank ``cp_rank``'s local storage (Note [documents])."""
+    chunks = zigzag_chunks(cp_rank, docs.cp_size)
+    n_chunks = 2 * docs.cp_size
+    segments: list[Segment] = []
+    if docs.cu_seqlens_padded is None:  # sample layout
+        chunk_len = docs.cu_seqlens[-1] // n_chunks
+        for c in chunks:
+            segments += _cut_at_documents(docs.cu_seqlens, c * chunk_len, (c + 1) * chunk_len)
+        return tuple(segments)
+    cu, padded = docs.cu_seqlens, docs.cu_seqlens_padded
+    for doc in range(len(cu) - 1):  # document layout: per document, its two chunks
+        piece = (padded[doc + 1] - padded[doc]) // n_chunks
+        real_end = padded[doc] + cu[doc + 1] - cu[doc]
+        for c in chunks:
+            a, b = padded[doc] + c * piece, padded[doc] + (c + 1) * piece
+            if min(b, real_end) > a:
+                segments.append((doc, a, min(b, real_end)))
+            if b > max(a, real_end):
+                segments.append((PADDING, max(a, real_end), b))
+    return tuple(segments)
+
+
+@functools.lru_cache(maxsize=1024)
+def rows_of_cp_ranks(docs: Documents, cp_ranks: tuple[int, ...]) -> tuple[Segment, ...]:
+    """Segments of the storage that concatenates these CP ranks' storage, in order
+    (after the Ulysses all-to-all and the team all-gather)."""
+    return tuple(seg for r in cp_ranks for seg in cp_rank_segments(docs, r))
 
 
 def whole_chunks(chunks: tuple[int, ...], chunk_len: int) -> tuple[Segment, ...]:
-    return tuple((c, 0, chunk_len) for c in chunks)
+    """Whole chunks of a dense sequence (one document), in the order listed."""
+    return tuple((0, c * chunk_len, (c + 1) * chunk_len) for c in chunks)
 
 
 @functools.lru_cache(maxsize=4096)
 def split_segments(segments: tuple[Segment, ...], parts: int) -> tuple[tuple[Segment, ...], ...]:
-    """Cut every segment into ``parts`` near-equal runs; part ``k`` takes run ``k`` of each.
+    """Cut the storage into ``parts`` near-equal contiguous row ranges (cutting segments
+    at the edges); part ``k`` is rows ``[k*n//parts, (k+1)*n//parts)``.
 
     Used to spread one transfer over several concurrent rings (TASP): each part travels
-    on its own ring and is still a valid set of segments to attend to.
+    on its own ring and is still a valid set of segments to attend to. Contiguous
+    parts are never empty while ``parts <= n``, whatever the document lengths.
     """
+    total = sum(b - a for _, a, b in segments)
+    bounds = [total * k // parts for k in range(parts + 1)]
     out: list[list[Segment]] = [[] for _ in range(parts)]
-    for chunk, start, stop in segments:
-        n = stop - start
-        bounds = [start + (n * k) // parts for k in range(parts + 1)]
-        for k in range(parts):
-            if bounds[k + 1] > bounds[k]:
-                out[k].append((chunk, bounds[k], bounds[k + 1]))
+    row = 0
+    for doc, a, b in segments:
+        for k in range(parts):  # the part of rows [row, row + b - a) inside part k
+            lo, hi = max(row, bounds[k]), min(row + b - a, bounds[k + 1])
+            if hi > lo:
+                out[k].append((doc, a + lo - row, a + hi - row))
+        row += b - a
     return tuple(tuple(p) for p in out)
 
 
-def segment_rows(segments: tuple[Segment, ...], within: tuple[Segment, ...]) -> list[tuple[int, int]]:
-    """Row ranges of ``segments`` inside storage laid out as ``within`` (which contains them)."""
-    offsets, pos = {}, 0
-    for seg in within:
-        offsets[seg] = pos
-        pos += seg[2] - seg[1]
-    rows = []
-    for chunk, start, stop in segments:
-        for (c, a, b), off in offsets.items():
-            if c == chunk and a <= start and stop <= b:
-                rows.append((off + start - a, off + stop - a))
-                break
-        else:
-            raise ValueError(f"segment {(chunk, start, stop)} is not in {within}")
-    return rows
+def split_rows(total: int, parts: int) -> list[tuple[int, int]]:
+    """The row range of each part of :func:`split_segments` in storage of ``total`` rows."""
+    return [(total * k // parts, total * (k + 1) // parts) for k in range(parts)]
 
 
 @dataclass(frozen=True)
@@ -110,14 +252,6 @@ class Block:
     causal: bool
 
 
-def _offsets(segments):
-    offs, pos = [], 0
-    for _, a, b in segments:
-        offs.append(pos)
-        pos += b - a
-    return offs, pos
-
-
 def _coalesce(ranges: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
     out: list[tuple[int, int]] = []
     for a, b in sorted(ranges):
@@ -128,40 +262,58 @@ def _coalesce(ranges: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
+def _merge_query_runs(blocks: list[Block]) -> tuple[Block, ...]:
+    """Adjacent full blocks with the same key rows become one call (e.g. non-causal)."""
+    out: list[Block] = []
+    for blk in blocks:
+        prev = out[-1] if out else None
+        if (prev is not None and not prev.causal and not blk.causal and prev.k_rows == blk.k_rows
+                and prev.q_rows[1] == blk.q_rows[0]):
+            out[-1] = Block((prev.q_rows[0], blk.q_rows[1]), blk.k_rows, False)
+        else:
+            out.append(blk)
+    return tuple(out)
+
+
 @functools.lru_cache(maxsize=4096)  # pure, and called every step with the same few layouts
 def plan_blocks(q_segments: tuple[Segment, ...], k_segments: tuple[Segment, ...], causal: bool) -> tuple[Block, ...]:
     """Kernel calls that cover exactly the visible (query, key) pairs; see Note [causal blocks].
 
-    For a query run ``[qa, qb)`` and a key run ``[ka, kb)`` of the same chunk, query ``i``
-    sees key ``j`` iff ``j <= i``::
+    Only segments of the same document meet. For a query segment ``[qa, qb)`` and a key
+    segment ``[ka, kb)`` of one document, causal::
 
         keys [ka, min(kb, qa))         precede every query row        -> full
         rows/keys [e, e + m), e = max(ka, qa), m = min(qb, kb) - e     -> square causal
         rows [kb, qb) x keys [e, kb)   (queries past the key run)      -> full
 
-    Full blocks of one query run are merged into a single call.
+    Full blocks of one query segment are merged into a single call, and so are adjacent
+    query segments with the same full key rows.
     """
-    q_offs, q_total = _offsets(q_segments)
-    k_offs, k_total = _offsets(k_segments)
-    if not causal:
-        return (Block((0, q_total), ((0, k_total),), False),) if q_total and k_total else ()
+    k_by_doc: dict[int, list[tuple[int, int, int]]] = {}
+    row = 0
+    for doc, ka, kb in k_segments:
+        if doc != PADDING:
+            k_by_doc.setdefault(doc, []).append((ka, kb, row))
+        row += kb - ka
     blocks: list[Block] = []
-    for (qc, qa, qb), qo in zip(q_segments, q_offs):
+    qo = 0
+    for doc, qa, qb in q_segments:
         full: list[tuple[int, int]] = []
         extra: list[Block] = []
-        for (kc, ka, kb), ko in zip(k_segments, k_offs):
-            if kc < qc:
+        for ka, kb, ko in k_by_doc.get(doc, ()) if doc != PADDING else ():
+            if not causal:
                 full.append((ko, ko + kb - ka))
-            elif kc == qc:
-                if ka < min(kb, qa):
-                    full.append((ko, ko + min(kb, qa) - ka))
-                e = max(ka, qa)
-                m = min(qb, kb) - e
-                if m > 0:
-                    extra.append(Block((qo + e - qa, qo + e - qa + m), ((ko + e - ka, ko + e - ka + m),), True))
-                    if qb > kb:
-                        extra.append(Block((qo + kb - qa, qo + qb - qa), ((ko + e - ka, ko + kb - ka),), False))
+                continue
+            if ka < min(kb, qa):
+                full.append((ko, ko + min(kb, qa) - ka))
+            e = max(ka, qa)
+            m = min(qb, kb) - e
+            if m > 0:
+                extra.append(Block((qo + e - qa, qo + e - qa + m), ((ko + e - ka, ko + e - ka + m),), True))
+                if qb > kb:
+                    extra.append(Block((qo + kb - qa, qo + qb - qa), ((ko + e - ka, ko + kb - ka),), False))
         if full:
             blocks.append(Block((qo, qo + qb - qa), _coalesce(full), False))
         blocks.extend(extra)
-    return tuple(blocks)
+        qo += qb - qa
+    return _merge_query_runs(blocks)

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .blocks import add_rows, take_rows
-from .layout import Segment, segment_rows, split_segments
+from .layout import Segment, split_rows, split_segments
 from .schedule import Lane
 from .topology import StarTrailTopology
 
@@ -33,32 +32,25 @@ def sub_ring_lanes(topo: StarTrailTopology, position: int, transfer: str) -> lis
 class LaneSplit:
     """A circulating payload split over the lanes of the transfer.
 
-    ``segments_of(origin)`` gives the rows (as segments) of the payload that position
-    ``origin`` holds at step 0; lane ``k`` carries part ``k`` of every such payload.
+    ``segments_of(origin)`` gives the rows (as segments, Note [documents]) of the
+    payload that position ``origin`` holds at step 0; lane ``k`` carries the ``k``-th
+    contiguous part of every such payload (:func:`~megatron_startrail.layout.split_segments`).
+    ``rows`` is the payload's row count (the same on every position).
     """
 
-    def __init__(self, lanes: list[Lane], chunk_len: int, segments_of) -> None:
-        # More lanes than tokens per chunk would leave parts empty: use fewer lanes.
-        self.lanes = lanes[: max(1, min(len(lanes), chunk_len))]
+    def __init__(self, lanes: list[Lane], rows: int, segments_of) -> None:
+        # More lanes than rows would leave parts empty: use fewer lanes.
+        self.lanes = lanes[: max(1, min(len(lanes), rows))]
+        self.rows = rows
         self._segments_of = segments_of
 
     def part_segments(self, origin: int, lane: int) -> tuple[Segment, ...]:
         return split_segments(self._segments_of(origin), len(self.lanes))[lane]
 
-    def part_rows(self, origin: int) -> list[tuple[tuple[int, int], ...]]:
-        whole = self._segments_of(origin)
-        return [tuple(segment_rows(p, whole)) for p in split_segments(whole, len(self.lanes))]
+    def split(self, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """Per lane, its part of each ``[rows, ...]`` tensor (views)."""
+        return [[t[a:b] for t in tensors] for a, b in split_rows(self.rows, len(self.lanes))]
 
-    def split(self, position: int, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-        """Per lane, the part of each ``[rows, ...]`` tensor it carries (views for one lane)."""
-        return [[take_rows(t, rows) for t in tensors] for rows in self.part_rows(position)]
-
-    def join(self, position: int, parts: list[torch.Tensor]) -> torch.Tensor:
+    def join(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """Inverse of :meth:`split` for one tensor per lane."""
-        if len(parts) == 1:
-            return parts[0]
-        rows = sum(b - a for _, a, b in self._segments_of(position))
-        out = parts[0].new_zeros((rows,) + tuple(parts[0].shape[1:]))
-        for part, part_rows in zip(parts, self.part_rows(position)):
-            add_rows(out, part, part_rows)
-        return out
+        return parts[0] if len(parts) == 1 else torch.cat(parts)

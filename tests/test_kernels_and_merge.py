@@ -7,7 +7,7 @@ from megatron_startrail.blocks import merge_lse_, merge_partials
 from megatron_startrail.kernels import ReferenceKernel, TorchCPUFlashKernel, select_kernel
 from megatron_startrail.layout import (
     plan_blocks,
-    segment_rows,
+    split_rows,
     split_segments,
     startrail_position_chunks,
     whole_chunks,
@@ -113,8 +113,8 @@ def _coverage(q_segments, k_segments, causal):
     return count
 
 
-def _positions(segments, chunk_len):
-    return torch.tensor([c * chunk_len + t for c, a, b in segments for t in range(a, b)])
+def _positions(segments):
+    return torch.tensor([t for _, a, b in segments for t in range(a, b)])
 
 
 @pytest.mark.parametrize("seed", range(30))
@@ -123,17 +123,17 @@ def test_plan_covers_exactly_the_visible_pairs(seed):
     rng = torch.Generator().manual_seed(seed)
     chunk_len = 6
 
-    def random_segments():
+    def random_segments():  # runs of one dense sequence (document 0)
         segs = []
         for chunk in torch.randperm(5, generator=rng)[: 1 + seed % 4].tolist():
             a, b = sorted(torch.randint(0, chunk_len + 1, (2,), generator=rng).tolist())
             if b > a:
-                segs.append((chunk, a, b))
+                segs.append((0, chunk * chunk_len + a, chunk * chunk_len + b))
         return tuple(segs) or ((0, 0, chunk_len),)
 
     q_segments, k_segments = random_segments(), random_segments()
     for causal in (True, False):
-        qp, kp = _positions(q_segments, chunk_len), _positions(k_segments, chunk_len)
+        qp, kp = _positions(q_segments), _positions(k_segments)
         visible = (kp[None, :] <= qp[:, None]) if causal else torch.ones(len(qp), len(kp), dtype=torch.bool)
         assert torch.equal(_coverage(q_segments, k_segments, causal), visible.long())
 
@@ -147,18 +147,19 @@ def test_causal_plan_matches_the_chunk_picture():
 
     # query chunk 0 sees nothing of (1, 2); query chunk 3 sees both, in one call.
     assert plan((0, 3), (1, 2)) == [((4, 8), ((0, 8),), False)]
-    assert plan((1, 2), (0, 3)) == [((0, 4), ((0, 4),), False), ((4, 8), ((0, 4),), False)]
+    # query chunks 1 and 2 both see all of key chunk 0 (and none of 3): one call.
+    assert plan((1, 2), (0, 3)) == [((0, 8), ((0, 4),), False)]
     assert plan((0, 3), (0, 3)) == [((0, 4), ((0, 4),), True), ((4, 8), ((0, 4),), False), ((4, 8), ((4, 8),), True)]
     # Ulysses U=2 over CP=4: StarTrail position 1 holds CP ranks 2 and 3's chunks.
     assert startrail_position_chunks(1, 2, 4) == (2, 5, 3, 4)
 
 
-def test_split_segments_partitions_every_chunk():
-    segs = whole_chunks((3, 0, 5), 7)
-    parts = split_segments(segs, 3)
-    assert [b - a for p in parts for _, a, b in p] == [2, 2, 2, 2, 2, 2, 3, 3, 3]
-    assert sorted(_positions(sum(parts, ()), 7).tolist()) == sorted(_positions(segs, 7).tolist())
-    assert segment_rows(parts[1], segs) == [(2, 4), (9, 11), (16, 18)]
+def test_split_segments_cuts_storage_in_contiguous_parts():
+    segs = whole_chunks((3, 0, 5), 7)  # 21 rows
+    parts = split_segments(segs, 4)
+    assert split_rows(21, 4) == [(0, 5), (5, 10), (10, 15), (15, 21)]
+    assert parts[1] == ((0, 26, 28), (0, 0, 3))  # rows 5..10: the end of chunk 3, the start of chunk 0
+    assert torch.equal(_positions(sum(parts, ())), _positions(segs))
 
 
 @pytest.mark.parametrize("cp", [2, 4, 8, 16])

@@ -7,6 +7,16 @@ Engine GPT layer specs. Inputs are this rank's CP shard in Megatron's layout (wh
 
     query [s/CP, b, np, hn], key/value [s/CP, b, ng, hn]  ->  [s/CP, b, np * hn]
 
+Packed documents (``PackedSeqParams(qkv_format="thd")``, Megatron's
+``--dataloader-inter-document-masking`` and ``--sft``) come as one flattened sample::
+
+    query [t/CP, np, hn], key/value [t/CP, ng, hn]          ->  [t/CP, np * hn]
+
+with global ``cu_seqlens_q/kv``; without ``cu_seqlens_q/kv_padded`` the whole sample is
+zigzagged (``get_batch_on_this_cp_rank(..., use_per_sequence_balancing=True)``), with
+them every document's padded span is (per-document balancing, SFT). See
+``startrail_attn`` and Note [documents] in ``megatron_startrail.layout``.
+
 The StarTrail groups are passed in explicitly (``ModuleSpec.params``), never looked up.
 """
 
@@ -14,6 +24,7 @@ from __future__ import annotations
 
 import math
 
+import torch
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
@@ -24,6 +35,31 @@ from ..groups import StarTrailGroups
 # "no mask" / "padding" mean full attention and work only without an actual mask tensor.
 _CAUSAL = (AttnMaskType.causal,)
 _NO_MASK = (AttnMaskType.no_mask, AttnMaskType.padding)
+
+
+def _same(name: str, q_side, kv_side):
+    """Self-attention: the query and key/value sides must describe the same documents."""
+    if kv_side is not None and q_side is not None and kv_side is not q_side and not torch.equal(q_side, kv_side):
+        raise ValueError(f"{name}_q and {name}_kv differ; StarTrail supports self-attention on one packed sample")
+    return q_side if q_side is not None else kv_side
+
+
+def packed_documents(packed_seq_params) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(cu_seqlens, cu_seqlens_padded or None)`` of Megatron's ``PackedSeqParams``."""
+    if packed_seq_params.qkv_format != "thd":
+        raise ValueError(
+            f"packed_seq_params.qkv_format={packed_seq_params.qkv_format!r}: StarTrail takes packed "
+            "sequences in the 'thd' format only"
+        )
+    if getattr(packed_seq_params, "local_cp_size", None) is not None:
+        raise ValueError("hybrid context parallelism (local_cp_size) is not supported with StarTrail")
+    cu = _same("cu_seqlens", packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv)
+    padded = _same("cu_seqlens_padded", packed_seq_params.cu_seqlens_q_padded, packed_seq_params.cu_seqlens_kv_padded)
+    if cu is None:
+        raise ValueError("packed_seq_params needs cu_seqlens_q (global document boundaries)")
+    # A [1, n_docs + 1] batch row (as flatten_batch_for_packed_sequences leaves it) -> [n_docs + 1]
+    cu, padded = (t.squeeze(0) if t is not None and t.dim() == 2 and t.shape[0] == 1 else t for t in (cu, padded))
+    return cu, padded
 
 
 class StarTrailCoreAttention(MegatronModule):
@@ -78,12 +114,13 @@ class StarTrailCoreAttention(MegatronModule):
         attention_bias=None,
         packed_seq_params=None,
     ):
+        cu_seqlens = cu_seqlens_padded = None
         if packed_seq_params is not None:
-            raise ValueError("packed sequences (THD) are not supported with StarTrail")
+            cu_seqlens, cu_seqlens_padded = packed_documents(packed_seq_params)
         if attention_bias is not None:
             raise ValueError("attention bias is not supported with StarTrail")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
-        if mask_type in _CAUSAL:
+        if mask_type in _CAUSAL or (cu_seqlens is not None and mask_type == AttnMaskType.padding_causal):
             causal = True  # a causal mask tensor, if given, is the default one: not needed
         elif mask_type in _NO_MASK and attention_mask is None:
             causal = False  # full attention (e.g. DiT)
@@ -92,10 +129,11 @@ class StarTrailCoreAttention(MegatronModule):
                 f"attention mask type {mask_type} with a mask tensor is not supported with StarTrail "
                 "(causal, or no mask)"
             )
-        # [s/CP, b, np, hn] -> [s/CP, b, np, hn]
+        # [s/CP, b, np, hn] -> [s/CP, b, np, hn]   (THD: [t/CP, np, hn] -> [t/CP, np, hn])
         out = startrail_attn(
             query, key, value, self.startrail_groups,
             causal=causal, softmax_scale=self.softmax_scale, transfer=self.transfer,
+            cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded,
         )
-        # [s/CP, b, np, hn] -> [s/CP, b, np * hn]
-        return out.reshape(out.shape[0], out.shape[1], -1)
+        # [s/CP, b, np, hn] -> [s/CP, b, np * hn]   (THD: -> [t/CP, np * hn])
+        return out.reshape(*out.shape[:-2], -1)

@@ -10,6 +10,7 @@ import torch
 from tests.megatron.utils import Utils, parallel_state
 from tests.multiproc import run_ranks
 
+from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.transformer.dot_product_attention import DotProductAttention  # noqa: E402
 from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
@@ -18,6 +19,13 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 from megatron_startrail.megatron.core_attention import StarTrailCoreAttention  # noqa: E402
 from megatron_startrail.megatron.layer_specs import to_startrail_spec  # noqa: E402
 from megatron_startrail.megatron.parallel_state import initialize_startrail  # noqa: E402
+from tests.packed_cases import (  # noqa: E402
+    PAD,
+    document_of_positions,
+    held_positions,
+    make_documents,
+    reference_packed_with_grads,
+)
 
 # DotProductAttention.__init__ / forward parameters in megatron-core 0.16.1, read from its
 # source (megatron/core/transformer/dot_product_attention.py in the 0.16.1 wheel).
@@ -147,3 +155,56 @@ def test_core_attention_is_exact_on_megatrons_cp_shards(mask_type, team_size, ul
     for shape, errors in run_ranks(attention_worker, 4, args=(team_size, ulysses, mask_type), timeout=120):
         assert shape == (SEQ // 4, BATCH, HEADS * DIM)  # [s/CP, b, np * hn]
         assert max(errors) < 1e-5, errors
+
+
+def packed_worker(rank, world_size, team_size, ulysses, layout):
+    """THD input with Megatron's PackedSeqParams, against float64 per-document attention."""
+    Utils.initialize_model_parallel(context_parallel_size=world_size)
+    groups = initialize_startrail(team_size, ulysses)
+    config = TransformerConfig(num_layers=1, hidden_size=HEADS * DIM, num_attention_heads=HEADS,
+                               num_query_groups=KV_HEADS, context_parallel_size=world_size,
+                               attention_dropout=0.0, use_cpu_initialization=True)
+    core = StarTrailCoreAttention(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                  attention_type="self", startrail_groups=groups)
+    cu, padded = make_documents(world_size, 4, layout, seed=11)
+    doc = document_of_positions(cu, padded)
+    gen = torch.Generator().manual_seed(8)
+    full = [torch.randn(len(doc), 1, h, DIM, generator=gen, dtype=torch.float64) for h in (HEADS, KV_HEADS, KV_HEADS)]
+    grad_full = torch.randn(len(doc), 1, HEADS, DIM, generator=gen, dtype=torch.float64)
+    ref = reference_packed_with_grads(*full, grad_full, doc, True, DIM**-0.5)
+    mine = held_positions(parallel_state.get_context_parallel_rank(), world_size, cu, padded)
+    # Megatron's attention squeezes the batch dim for THD: [t/CP, np, hn]
+    q, k, v = (t[mine, 0].float().requires_grad_() for t in full)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=padded,
+                             cu_seqlens_kv_padded=padded, max_seqlen_q=int((cu[1:] - cu[:-1]).max()),
+                             max_seqlen_kv=int((cu[1:] - cu[:-1]).max()))
+    out = core(q, k, v, None, attn_mask_type=AttnMaskType.causal, attention_bias=None, packed_seq_params=params)
+    out.backward(grad_full[mine, 0].float().reshape(len(mine), -1))
+    got = [out.detach().reshape(len(mine), HEADS, DIM)] + [t.grad for t in (q, k, v)]
+    errors = [(g.double() - r[mine, 0]).abs().max().item() for g, r in zip(got, ref)]
+    padding = doc[mine] == PAD
+    pad_nonzero = sum(int(g[padding].count_nonzero()) for g in got)
+    Utils.destroy_model_parallel()
+    return tuple(out.shape), len(mine), errors, pad_nonzero
+
+
+@pytest.mark.parametrize("layout", ["sample", "document"])
+@pytest.mark.parametrize("team_size, ulysses", [(2, 1), (1, 2)], ids=["C2", "U2xS2"])
+def test_core_attention_takes_megatrons_packed_seq_params(team_size, ulysses, layout):
+    for shape, t_local, errors, pad_nonzero in run_ranks(packed_worker, 4, args=(team_size, ulysses, layout),
+                                                         timeout=120):
+        assert shape == (t_local, HEADS * DIM)  # [t/CP, np * hn]
+        assert max(errors) < 1e-5, errors
+        assert pad_nonzero == 0
+
+
+def test_packed_seq_params_errors_name_the_problem():
+    from megatron_startrail.megatron.core_attention import packed_documents
+
+    cu = torch.tensor([0, 4, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="'thd' format"):
+        packed_documents(PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu))
+    with pytest.raises(ValueError, match="cu_seqlens_q and cu_seqlens_kv differ"):
+        packed_documents(PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu + 1))
+    got = packed_documents(PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu.unsqueeze(0), cu_seqlens_kv=None))
+    assert torch.equal(got[0], cu) and got[1] is None

@@ -1,0 +1,87 @@
+"""Packed samples for the document-masking tests: documents, who holds what, the reference.
+
+Written independently of ``megatron_startrail.layout``: the positions a CP rank holds
+follow the two layouts' definitions directly (Megatron's whole-sample zigzag, and
+Transformer Engine's per-document zigzag of padded spans), and the reference is dense
+float64 attention with a block-diagonal document mask.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PAD = -1
+
+
+def make_documents(cp: int, chunk: int, layout: str, seed: int):
+    """``(cu_seqlens, cu_seqlens_padded | None)`` as int32 tensors.
+
+    Always holds a document of length 1, one shorter than ``2 * cp``, one longer than a
+    chunk; the document layout also has a document needing no padding and one with a
+    whole extra ``2 * cp`` of padding (some ranks then hold only padding of it).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    short = max(1, 2 * cp - 1)
+    if layout == "sample":
+        total = 2 * cp * chunk
+        lengths = [1, short, chunk + 2]
+        while sum(lengths) < total:
+            lengths.append(int(torch.randint(1, 2 * chunk, (1,), generator=gen)))
+        lengths[-1] -= sum(lengths) - total
+        lengths = [n for n in lengths if n > 0]
+        cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+        return cu, None
+    lengths = [1, short, chunk + 2, 4 * cp, 3]
+    spans = [-(-n // (2 * cp)) * 2 * cp for n in lengths]
+    spans[-1] += 2 * cp
+    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    padded = torch.tensor([0] + spans).cumsum(0).to(torch.int32)
+    return cu, padded
+
+
+def document_of_positions(cu, padded):
+    """Per position of the (padded) sample: its document, or PAD."""
+    if padded is None:
+        return torch.repeat_interleave(torch.arange(len(cu) - 1), (cu[1:] - cu[:-1]).long())
+    doc = torch.full((int(padded[-1]),), PAD)
+    for i in range(len(cu) - 1):
+        doc[int(padded[i]) : int(padded[i]) + int(cu[i + 1] - cu[i])] = i
+    return doc
+
+
+def held_positions(cp_rank: int, cp: int, cu, padded) -> torch.Tensor:
+    """Positions CP rank ``cp_rank`` holds, in its storage order."""
+    spans = [(0, int(cu[-1]))] if padded is None else [(int(a), int(b)) for a, b in zip(padded[:-1], padded[1:])]
+    out = []
+    for a, b in spans:
+        piece = (b - a) // (2 * cp)
+        for c in (cp_rank, 2 * cp - 1 - cp_rank):
+            out.append(torch.arange(a + c * piece, a + (c + 1) * piece))
+    return torch.cat(out)
+
+
+def reference_packed(q, k, v, doc, causal, scale):
+    """Float64 attention of ``[s, b, h, d]`` with a dense block-diagonal document mask.
+
+    Padding rows (document PAD) see nothing: their output is 0 (and so are the gradients
+    through them).
+    """
+    heads, kv_heads, s = q.shape[2], k.shape[2], q.shape[0]
+    k = k.repeat_interleave(heads // kv_heads, dim=2)
+    v = v.repeat_interleave(heads // kv_heads, dim=2)
+    mask = (doc[:, None] == doc[None, :]) & (doc[:, None] != PAD)
+    if causal:
+        mask &= torch.ones(s, s, dtype=torch.bool).tril()
+    real = mask.any(dim=1)
+    mask |= torch.eye(s, dtype=torch.bool) & ~real[:, None]  # keep softmax finite on padding rows...
+    scores = torch.einsum("sbhd,tbhd->bhst", q, k) * scale
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    out = torch.einsum("bhst,tbhd->sbhd", probs, v)
+    return out * real[:, None, None, None]  # ...and give them output 0
+
+
+def reference_packed_with_grads(q, k, v, dout, doc, causal, scale):
+    q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
+    out = reference_packed(q, k, v, doc, causal, scale)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
