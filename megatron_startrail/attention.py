@@ -30,6 +30,7 @@ from .groups import StarTrailGroups
 from .kernels import check_kernel, kernel_for
 from .layout import Documents, Segment, rows_of_cp_ranks
 from .schedule import rotate
+from .timeline import Timeline
 from .transfer import TRANSFERS, LaneSplit, sub_ring_lanes
 from .ulysses import gather_sequence, scatter_sequence
 
@@ -52,12 +53,13 @@ class _StarTrailAttention(torch.autograd.Function):
     """Exact attention over the StarTrail group, on post-Ulysses local tensors."""
 
     @staticmethod
-    def forward(ctx, q, k, v, groups: StarTrailGroups, docs, causal, scale, rotation, transfer, fwd_stats, bwd_stats):
+    def forward(ctx, q, k, v, groups: StarTrailGroups, docs, causal, scale, rotation, transfer, fwd_stats, bwd_stats,
+                timeline):
         # q [n, b, h, d], k/v [n, b, hkv, d]; n = len(my chunks) * L
         topo, pos = groups.topology, groups.startrail_rank
         c, team = topo.team_size, topo.team_of(pos)
         kernel = kernel_for(q, k, v, groups.kernel)
-        comm = Communicator(fwd_stats, groups.startrail_group, groups.startrail_global_ranks)
+        comm = Communicator(fwd_stats, groups.startrail_group, groups.startrail_global_ranks, timeline)
         n = q.shape[0]
 
         # 1. team all-gather                       [C*n, b, h, d], [C*n, 2, b, hkv, d]
@@ -105,7 +107,7 @@ class _StarTrailAttention(torch.autograd.Function):
 
         ctx.save_for_backward(q_team, kv_init, out, lse)
         ctx.groups, ctx.docs, ctx.causal, ctx.scale, ctx.kernel = groups, docs, causal, scale, kernel
-        ctx.rotation, ctx.transfer, ctx.bwd_stats = rotation, transfer, bwd_stats
+        ctx.rotation, ctx.transfer, ctx.bwd_stats, ctx.timeline = rotation, transfer, bwd_stats, timeline
         return out
 
     @staticmethod
@@ -114,7 +116,7 @@ class _StarTrailAttention(torch.autograd.Function):
         groups, docs, causal, scale, kernel = ctx.groups, ctx.docs, ctx.causal, ctx.scale, ctx.kernel
         topo, pos = groups.topology, groups.startrail_rank
         c, team = topo.team_size, topo.team_of(pos)
-        comm = Communicator(ctx.bwd_stats, groups.startrail_group, groups.startrail_global_ranks)
+        comm = Communicator(ctx.bwd_stats, groups.startrail_group, groups.startrail_global_ranks, ctx.timeline)
         dtype, acc_dtype = q_team.dtype, _acc_dtype(q_team.dtype)
         rows = c * out.shape[0]  # of the team's gathered sequence
         lanes = sub_ring_lanes(topo, pos, ctx.transfer)
@@ -176,7 +178,7 @@ class _StarTrailAttention(torch.autograd.Function):
         # 4. team reduce-scatter (float32): every member keeps its own rows
         dq = comm.reduce_scatter(dq_team, groups.team_group, c, op="team_reduce_scatter")
         dkv = comm.reduce_scatter(dkv_team, groups.team_group, c, op="team_reduce_scatter")
-        return dq.to(dtype), dkv[:, 0].to(dtype), dkv[:, 1].to(dtype), None, None, None, None, None, None, None, None
+        return (dq.to(dtype), dkv[:, 0].to(dtype), dkv[:, 1].to(dtype)) + (None,) * 9
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: StarTrailGroups) -> None:
@@ -231,6 +233,7 @@ def startrail_attn(
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_padded: torch.Tensor | None = None,
     transfer: str = "ring",
+    timeline: Timeline | None = None,
 ) -> torch.Tensor:
     """Exact softmax attention over the whole context-parallel group.
 
@@ -250,6 +253,9 @@ def startrail_attn(
     ``transfer="multiring"`` spreads each sub-ring transfer over the ``G - 1``
     arc-disjoint Hamiltonian cycles of the sub-ring's ranks (TASP), for sub-rings inside
     a fully connected node; ``"ring"`` is StarTrail's single sub-ring.
+
+    ``timeline`` (:class:`~megatron_startrail.timeline.Timeline`) records, forward and
+    backward, the spans this rank spends blocked on each communication.
     """
     if transfer not in TRANSFERS:
         raise ValueError(f"transfer={transfer!r} is not one of {TRANSFERS}")
@@ -267,8 +273,9 @@ def startrail_attn(
         rotation = choose_backward_rotation(shape, groups.ulysses_size, groups.team_size)
 
     if groups.ulysses_size > 1:
-        q, k, v = gather_sequence(q, k, v, groups, fwd_stats, bwd_stats)
-    out = _StarTrailAttention.apply(q, k, v, groups, docs, causal, scale, rotation, transfer, fwd_stats, bwd_stats)
+        q, k, v = gather_sequence(q, k, v, groups, fwd_stats, bwd_stats, timeline)
+    out = _StarTrailAttention.apply(q, k, v, groups, docs, causal, scale, rotation, transfer, fwd_stats, bwd_stats,
+                                    timeline)
     if groups.ulysses_size > 1:
-        out = scatter_sequence(out, groups, fwd_stats, bwd_stats)
+        out = scatter_sequence(out, groups, fwd_stats, bwd_stats, timeline)
     return out.squeeze(1) if thd else out
