@@ -177,7 +177,7 @@ def plot(results: list[dict], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--ranks-per-node", type=int, default=4)
@@ -198,8 +198,11 @@ def main() -> int:
     p.add_argument("--port", type=int, default=29555)
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--out", default=os.path.join(HERE, "results", "cluster_bench"))
-    args = p.parse_args()
+    return p
 
+
+def main() -> int:
+    args = parser().parse_args()
     reason = check_requirements()
     if reason:
         print(f"cluster_bench: {reason}", file=sys.stderr)

@@ -5,7 +5,8 @@
 Every run measured its own cluster first (benchmarks/calibration.py: effective link
 rates, step latency, attention rate under contention, overlap) and the planner priced
 every configuration from those numbers alone; no attention timing went into any
-prediction, so every row is held out. Writes OUT.md (per row: measured, predicted,
+prediction, so every row is held out. Predictions are recomputed here from each run's
+stored calibration with the current planner (cluster_bench.predictions). Writes OUT.md (per row: measured, predicted,
 error, within 20 %; per cluster: rankings), OUT.json and OUT.png (predicted vs measured).
 """
 
@@ -14,6 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.cluster_bench import parser, predictions  # noqa: E402
 
 TOLERANCE = 0.20
 
@@ -22,12 +28,15 @@ def load(paths: list[str]) -> list[dict]:
     rows = []
     for path in paths:
         run = json.load(open(path))
-        argv = run["argv"]
-        seq = int(argv[argv.index("--seq-length") + 1]) if "--seq-length" in argv else 8192
-        for r in run["results"]:
-            rows.append({**{k: r[k] for k in ("name", "rate_mbit", "nodes", "ranks_per_node", "time_ms_median",
-                                               "predicted_ms", "calibration")},
-                         "seq_length": seq, "source": os.path.basename(path)})
+        args = parser().parse_args(run["argv"][1:])
+        for rate in dict.fromkeys(r["rate_mbit"] for r in run["results"]):
+            measured = [r for r in run["results"] if r["rate_mbit"] == rate]
+            predicted = predictions(args, rate, measured, measured[0]["calibration"])
+            for r in measured:
+                rows.append({**{k: r[k] for k in ("name", "rate_mbit", "nodes", "ranks_per_node", "time_ms_median",
+                                                   "calibration")},
+                             "predicted_ms": predicted[r["name"]], "seq_length": args.seq_length,
+                             "source": os.path.basename(path)})
     return rows
 
 
@@ -43,17 +52,20 @@ def report(rows: list[dict]) -> str:
         lines.append(f"| {r['nodes']}x{r['ranks_per_node']} | {r['seq_length']} | {r['rate_mbit']:g} | {r['name']} | "
                      f"{r['time_ms_median']:.0f} | {r['predicted_ms']:.0f} | {100 * err:+.0f}% | "
                      f"{'yes' if abs(err) <= TOLERANCE else 'no'} |")
-    lines += ["", "| cluster | seq | link Mbit/s | measured ranking (fastest first) | predicted ranking | match | "
-                  "measured: eff. inter-node MB/s, intra MB/s, GFLOP/s per rank, overlap, step latency ms |",
-              "|---|---|---|---|---|---|---|"]
+    lines += ["", "| cluster | seq | link Mbit/s | measured ranking (fastest first) | predicted ranking | match "
+                  "| match among the project's configurations (what the planner chooses from) "
+                  "| measured: eff. inter-node MB/s, intra MB/s, GFLOP/s per rank, overlap, step latency ms |",
+              "|---|---|---|---|---|---|---|---|"]
     for key in dict.fromkeys(cluster_key(r) for r in rows):
         group = [r for r in rows if cluster_key(r) == key]
         measured = [r["name"] for r in sorted(group, key=lambda r: r["time_ms_median"])]
         predicted = [r["name"] for r in sorted(group, key=lambda r: r["predicted_ms"])]
         cal = group[0]["calibration"]
+        ours = [n for n in measured if not n.startswith("torch-")] == [n for n in predicted if not n.startswith("torch-")]
         lines.append(
             f"| {key[0]}x{key[1]} | {key[2]} | {key[3]:g} | {' < '.join(measured)} | {' < '.join(predicted)} | "
-            f"{'yes' if measured == predicted else 'no'} | {1e3 * cal.get('inter_node_gbs', 0):.1f}, "
+            f"{'yes' if measured == predicted else 'no'} | {'yes' if ours else 'no'} | "
+            f"{1e3 * cal.get('inter_node_gbs', 0):.1f}, "
             f"{1e3 * cal.get('intra_node_gbs', 0):.0f}, {1e3 * cal['attention_tflops']:.1f}, "
             f"{cal.get('overlap', 1.0):.2f}, {1e3 * cal['step_latency_s']:.1f} |")
     errors = [abs(r["predicted_ms"] / r["time_ms_median"] - 1) for r in rows]

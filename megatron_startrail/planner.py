@@ -131,15 +131,21 @@ def overlapped_steps(overlap: float, compute: list[float], transfer: list[float]
     return sum(max(c, t) + (1.0 - overlap) * min(c, t) for c, t in zip(compute, transfer))
 
 
-def _collective_time(cluster: ClusterSpec, groups: list[list[int]], bytes_per_rank: float) -> tuple[float, float]:
+def _collective_time(cluster: ClusterSpec, groups: list[list[int]], bytes_per_rank: float,
+                     calls: int = 1) -> tuple[float, float]:
     """A bandwidth-optimal collective moving ``bytes_per_rank`` per rank within each group
-    (priced as a ring over the group's members)."""
+    (priced as a ring over the group's members), issued as ``calls`` separate collectives
+    (each pays its own latency)."""
     sends = []
     for g in groups:
         if len(g) > 1:
             for i, r in enumerate(g):
                 sends.append((r, g[(i + 1) % len(g)], bytes_per_rank))
-    return _exchange_time(cluster, sends)
+    t, inter = _exchange_time(cluster, sends)
+    if not sends:
+        return t, inter
+    crosses = any(cluster.node_of(a) != cluster.node_of(b) for a, b, _ in sends)
+    return t + (calls - 1) * (cluster.inter_latency_s if crosses else cluster.intra_latency_s), inter
 
 
 def predict(cluster: ClusterSpec, work: Workload, cp_size: int, team_size: int, ulysses_size: int = 1,
@@ -174,11 +180,11 @@ def predict(cluster: ClusterSpec, work: Workload, cp_size: int, team_size: int, 
     # Ulysses all-to-alls: q, k, v in and the output back, each way (fwd and bwd).
     if u > 1:
         uly_bytes = (u - 1) / u * (2 * eq + 2 * ekv) * e
-        add(_collective_time(cluster, all_uly, 2 * uly_bytes))
+        add(_collective_time(cluster, all_uly, 2 * uly_bytes, calls=8))  # q, k, v, out; both ways
     # Forward: team all-gather of q, k, v; merge all-to-all of out and lse.
     if c > 1:
-        add(_collective_time(cluster, teams, (c - 1) * (eq + 2 * ekv) * e))
-        add(_collective_time(cluster, teams, (c - 1) * (eq * e + el * a)))
+        add(_collective_time(cluster, teams, (c - 1) * (eq + 2 * ekv) * e, calls=2))  # q; k, v
+        add(_collective_time(cluster, teams, (c - 1) * (eq * e + el * a), calls=2))  # out; lse
     # Initial send (forward K, V; backward dK, dV in the accumulator dtype).
     for nbytes in (2 * c * ekv * e, 2 * c * ekv * a):
         add(_exchange_time(cluster, [(cp_rank(p, x), cp_rank(topo.init_send_dst(p), x), nbytes)
@@ -209,8 +215,8 @@ def predict(cluster: ClusterSpec, work: Workload, cp_size: int, team_size: int, 
         add(ring_round(accumulator_bwd))
     # Backward: all-gather dO, out, lse; reduce-scatter dQ, dK, dV.
     if c > 1:
-        add(_collective_time(cluster, teams, (c - 1) * (2 * eq * e + el * a)))
-        add(_collective_time(cluster, teams, (c - 1) * (eq + 2 * ekv) * a))
+        add(_collective_time(cluster, teams, (c - 1) * (2 * eq * e + el * a), calls=2))  # dO, out; lse
+        add(_collective_time(cluster, teams, (c - 1) * (eq + 2 * ekv) * a, calls=2))  # dq; dk, dv
     compute = compute_fwd + compute_bwd
     return Prediction(u, c, transfer, total, compute, max(0.0, total - compute), inter_bytes)
 
