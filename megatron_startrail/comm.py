@@ -104,17 +104,17 @@ class Communicator:
         self.p2p_global_ranks = p2p_global_ranks
         self.timeline = timeline
 
-    def _run(self, op: str, fn, out: torch.Tensor, *args, wait: bool, **kwargs):
-        """Run a collective writing ``out``: blocking (``wait=True``, returns ``out``, its
+    def _run(self, name: str, fn, out: torch.Tensor, *args, wait: bool, **kwargs):
+        """Run collective ``name`` writing ``out``: blocking (``wait=True``, returns ``out``, its
         span recorded when a timeline is on) or started (returns a :class:`PendingCollective`)."""
         if not wait:
-            return PendingCollective(fn(*args, async_op=True, **kwargs), out, self.timeline, op)
+            return PendingCollective(fn(*args, async_op=True, **kwargs), out, self.timeline, name)
         if self.timeline is None:
             fn(*args, **kwargs)
             return out
         start = time.perf_counter()
         fn(*args, **kwargs)
-        self.timeline.add(op, start, time.perf_counter())
+        self.timeline.add(name, start, time.perf_counter())
         return out
 
     @staticmethod
