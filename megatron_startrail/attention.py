@@ -36,7 +36,7 @@ from .accounting import AttentionShape, choose_backward_rotation
 from .comm import CommStats, Communicator
 from .documents import agree_on_documents
 from .groups import StarTrailGroups
-from .kernels import select_kernel
+from .kernels import check_kernel, kernel_for
 from .layout import Documents, Segment, rows_of_cp_ranks
 from .schedule import rotate
 from .transfer import TRANSFERS, LaneSplit, sub_ring_lanes
@@ -148,7 +148,7 @@ class _StarTrailAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, groups: StarTrailGroups, docs, causal, scale, rotation, transfer, regather,
                 fwd_stats, bwd_stats):
         # q [n, b, h, dqk], k [n, b, hkv, dqk], v [n, b, hkv, dv]; n = len(my chunks) * L
-        kernel = select_kernel(q.device, groups.kernel)
+        kernel = kernel_for(q, k, v, groups.kernel)
         comm = Communicator(fwd_stats, groups.startrail_group, groups.startrail_global_ranks)
         q_team, kv_team = _gather_team(comm, groups, q, k, v, op="team_all_gather")
         kv_init = _initial_send(comm, groups, kv_team, op="init_send")
@@ -274,6 +274,7 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Star
         )
     if kv_heads == 0 or heads % kv_heads != 0:
         raise ValueError(f"query heads ({heads}) must be a multiple of kv heads ({kv_heads})")
+    check_kernel(groups.kernel, q, k, v)  # a forced --startrail-kernel that cannot take these: ValueError
     u = groups.ulysses_size
     if u > 1:
         if heads % u != 0:

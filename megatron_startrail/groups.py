@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from .comm import CommStats
+from .kernels.selection import KERNELS
 from .layout import startrail_position_chunks
 from .topology import StarTrailTopology, check_team_size
 
@@ -117,6 +118,8 @@ def new_startrail_groups(
         raise ValueError(f"all context-parallel groups must have the same size, got {cp_ranks}")
     if backward_rotation not in BACKWARD_ROTATIONS:
         raise ValueError(f"backward_rotation={backward_rotation!r} is not one of {BACKWARD_ROTATIONS}")
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r} (--startrail-kernel) is not one of {KERNELS}")
     plans = [plan_cp_group(g, team_size, ulysses_size) for g in cp_ranks]
 
     def create(rank_lists: list[list[int]]) -> object | None:

@@ -1,37 +1,116 @@
-"""Block kernels behind one interface; :func:`select_kernel` picks one for a device."""
+"""Block kernels behind one interface, and the choice of one for an attention call.
+
+:func:`kernel_for` is what the schedule calls: it probes which backends this device can
+use (:func:`usable_backends`, once per device), applies the pure rules of
+:func:`~megatron_startrail.kernels.selection.choose_kernel`, and builds the kernel.
+:func:`check_kernel` runs the same rules without building anything; ``check_inputs``
+calls it so that a forced kernel that cannot take the inputs fails before any
+communication.
+"""
 
 from __future__ import annotations
+
+import functools
+import importlib
+import warnings
 
 import torch
 
 from .base import BlockKernel
 from .reference import ReferenceKernel
+from .selection import BACKENDS, KERNELS, RULES, KernelChoice, KernelRequest, choose_kernel, kernel_constraint
 from .torch_cpu import TorchCPUFlashKernel
 
-KERNELS = ("auto", "reference", "torch_cpu_flash", "torch_cuda_flash", "flash_attn")
+
+def _importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except Exception:  # noqa: BLE001 - a broken install (ABI mismatch: OSError, RuntimeError) is "not usable"
+        return False
+    return True
 
 
-def select_kernel(device: torch.device, name: str = "auto") -> BlockKernel:
-    """The block kernel for ``device``: ``auto`` takes the fastest one available."""
-    if name not in KERNELS:
-        raise ValueError(f"kernel={name!r} is not one of {KERNELS}")
+@functools.lru_cache(maxsize=None)
+def _usable_cuda_backends(index: int) -> frozenset[str]:
+    major, minor = torch.cuda.get_device_capability(index)
+    usable = {"torch_efficient"}
+    if major >= 8 and torch.backends.cuda.is_flash_attention_available():
+        usable.add("torch_flash")
+    if major >= 8 and torch.backends.cudnn.is_available() and (torch.backends.cudnn.version() or 0) >= 90000:
+        usable.add("torch_cudnn")
+    if major >= 8 and _importable("flash_attn.flash_attn_interface"):
+        usable.add("flash_attn")
+    if (major, minor) == (9, 0) and _importable("flash_attn_interface"):
+        usable.add("flash_attn_3")
+    return frozenset(usable)
+
+
+def usable_backends(device: torch.device) -> frozenset[str]:
+    """The backends of :data:`~megatron_startrail.kernels.selection.BACKENDS` usable on ``device``."""
+    if device.type != "cuda":
+        return frozenset()
+    return _usable_cuda_backends(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def make_kernel(name: str) -> BlockKernel:
+    """A kernel object by name (imports the optional GPU adapters only when asked for)."""
     if name == "reference":
         return ReferenceKernel()
-    if device.type == "cpu":
-        if name not in ("auto", "torch_cpu_flash"):
-            raise ValueError(f"kernel={name!r} needs a CUDA device; inputs are on CPU")
+    if name == "torch_cpu_flash":
         return TorchCPUFlashKernel()
-    from . import cuda  # noqa: PLC0415 - GPU-only adapters
+    if name in ("flash_attn", "flash_attn_3"):
+        from .flash_attn import FlashAttn3Kernel, FlashAttnKernel  # noqa: PLC0415 - optional
 
-    if name == "torch_cuda_flash":
-        return cuda.TorchCUDAFlashKernel()
-    if name in ("auto", "flash_attn"):
-        try:
-            return cuda.FlashAttnKernel()
-        except ImportError:
-            if name == "flash_attn":
-                raise
-    return cuda.TorchCUDAFlashKernel()
+        return FlashAttnKernel() if name == "flash_attn" else FlashAttn3Kernel()
+    from . import torch_cuda  # noqa: PLC0415 - GPU-only adapters
+
+    return {
+        "torch_cuda_flash": torch_cuda.TorchCUDAFlashKernel,
+        "torch_cuda_efficient": torch_cuda.TorchCUDAEfficientKernel,
+        "torch_cuda_cudnn": torch_cuda.TorchCUDACudnnKernel,
+    }[name]()
 
 
-__all__ = ["BlockKernel", "ReferenceKernel", "TorchCPUFlashKernel", "select_kernel", "KERNELS"]
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _choose(request: KernelRequest, name: str) -> KernelChoice:
+    choice = choose_kernel(request, name)
+    if choice.name == "reference" and name == "auto":
+        _warn_once(f"StarTrail uses the slow reference block kernel: {choice.reason}")
+    return choice
+
+
+def check_kernel(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> KernelChoice:
+    """The choice for q ``[..., h, d_qk]``, k ``[..., hkv, d_qk]``, v ``[..., hkv, d_v]``; ValueError
+    naming ``--startrail-kernel`` when a forced ``name`` cannot take them. Communicates nothing."""
+    return choose_kernel(KernelRequest.of(q, k, v, usable_backends(q.device)), name)
+
+
+def kernel_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, name: str = "auto") -> BlockKernel:
+    """The block kernel for these tensors (heads at dim -2, head dim last)."""
+    return make_kernel(_choose(KernelRequest.of(q, k, v, usable_backends(q.device)), name).name)
+
+
+def select_kernel(
+    device: torch.device,
+    name: str = "auto",
+    *,
+    dtype: torch.dtype = torch.float32,
+    qk_head_dim: int = 64,
+    v_head_dim: int | None = None,
+    gqa_ratio: int = 1,
+) -> BlockKernel:
+    """The block kernel for a call described by its parts (defaults: float32, one head dim 64)."""
+    request = KernelRequest(device.type, dtype, qk_head_dim, v_head_dim or qk_head_dim, gqa_ratio,
+                            usable_backends(device))
+    return make_kernel(_choose(request, name).name)
+
+
+__all__ = [
+    "BACKENDS", "BlockKernel", "KERNELS", "RULES", "KernelChoice", "KernelRequest", "ReferenceKernel",
+    "TorchCPUFlashKernel", "check_kernel", "choose_kernel", "kernel_constraint", "kernel_for", "make_kernel",
+    "select_kernel", "usable_backends",
+]

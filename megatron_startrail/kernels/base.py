@@ -19,8 +19,9 @@ class BlockKernel(Protocol):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q ``[b, h, sq, d]``, k/v ``[b, hkv, sk, d]`` -> out ``[b, h, sq, d]`` (q's dtype),
-        lse ``[b, h, sq]`` (float32, or float64 for float64 inputs; natural log).
+        """q ``[b, h, sq, d]``, k ``[b, hkv, sk, d]``, v ``[b, hkv, sk, dv]`` -> out ``[b, h, sq, dv]``
+        (q's dtype), lse ``[b, h, sq]`` (float32, or float64 for float64 inputs; natural log).
+        ``dv`` may differ from ``d`` (MLA); kernels that need one head dim pad inside the call.
 
         ``causal`` masks key ``j > i`` for query ``i`` (top-left aligned); callers only
         use it on square diagonal blocks.
@@ -40,5 +41,5 @@ class BlockKernel(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gradients of one block given the *final* (merged) ``out`` and ``lse`` of its
         query rows: with those, each block's gradients are exact on their own, so no
-        other block is recomputed. Returns dq ``[b, h, sq, d]``, dk/dv ``[b, hkv, sk, d]``.
+        other block is recomputed. Returns dq ``[b, h, sq, d]``, dk ``[b, hkv, sk, d]``, dv ``[b, hkv, sk, dv]``.
         """

@@ -11,12 +11,16 @@ import torch
 
 def expand_kv_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     # [b, hkv, s, d] -> [b, h, s, d]: query head i uses kv head i // (h // hkv).
+    if x.shape[1] == heads:
+        return x
     return x.repeat_interleave(heads // x.shape[1], dim=1)
 
 
 def sum_kv_head_groups(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
     # [b, h, s, d] -> [b, hkv, s, d]: the adjoint of expand_kv_heads.
     b, h, s, d = x.shape
+    if h == kv_heads:
+        return x
     return x.view(b, kv_heads, h // kv_heads, s, d).sum(dim=2)
 
 

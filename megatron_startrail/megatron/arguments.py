@@ -19,6 +19,7 @@ import argparse
 import os
 
 from ..groups import BACKWARD_ROTATIONS
+from ..kernels.selection import KERNELS
 from ..topology import valid_team_sizes
 from ..transfer import TRANSFERS
 
@@ -66,6 +67,12 @@ def add_startrail_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "--startrail-backward-rotation", choices=BACKWARD_ROTATIONS, default="auto",
         help="What circulates in the backward sub-ring: 'q' (Q, dO, out, lse, dQ; the paper's "
         "choice), 'kv' (K, V, dK, dV), or 'auto' (whichever moves fewer bytes for these shapes).",
+    )
+    group.add_argument(
+        "--startrail-kernel", choices=KERNELS, default="auto",
+        help="Block kernel of the StarTrail schedule: 'auto' (chosen from device, dtype, head dims "
+        "and installed libraries; see the README's table) or one forced by name; a forced kernel "
+        "that cannot take the attention inputs stops the run with an error naming this flag.",
     )
     return parser
 
@@ -144,6 +151,26 @@ def validate_startrail_args(args) -> None:
             f"{size} ranks (--context-parallel-size {cp} / --ulysses-degree-in-cp {u}): C*C must "
             f"divide {size}; valid values: {valid}"
         )
+    if getattr(args, "startrail_kernel", "auto") != "auto":
+        _check_forced_kernel(args, heads, kv_heads)
+
+
+def _check_forced_kernel(args, heads: int, kv_heads: int) -> None:
+    """A forced --startrail-kernel that cannot take this model's attention inputs fails here,
+    at start-up, with the constraint (startrail_attn checks the real tensors again)."""
+    import torch  # noqa: PLC0415
+
+    from ..kernels import KernelRequest, choose_kernel, usable_backends  # noqa: PLC0415
+
+    dtype = torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) \
+        else torch.float32
+    if getattr(args, "multi_latent_attention", False):  # MLA: q/k = nope + rope dims, v its own
+        qk_dim, v_dim = args.qk_head_dim + args.qk_pos_emb_head_dim, args.v_head_dim
+    else:
+        qk_dim = v_dim = args.kv_channels or args.hidden_size // args.num_attention_heads
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    choose_kernel(KernelRequest(device.type, dtype, qk_dim, v_dim, max(1, heads // kv_heads),
+                                usable_backends(device)), args.startrail_kernel)
 
 
 def _auto_team_size(args, heads: int, kv_heads: int) -> int:

@@ -1,0 +1,154 @@
+"""Which block kernel runs: one pure function of what the attention call is given.
+
+:func:`choose_kernel` decides from the device type, dtype, q/k head dim, v head dim, GQA
+ratio and the set of usable kernel backends (probed by
+:func:`megatron_startrail.kernels.usable_backends`, passed in here so that the whole rule
+table can be tested on a CPU). The rules, in ``auto`` order (README, "Block kernels")::
+
+    kernel                device  dtypes                  head dims (q/k, v)        needs
+    torch_cpu_flash       cpu     fp32 fp64 bf16 fp16     any; V padded if != q/k    -
+    flash_attn_3          cuda    bf16 fp16               <= 256; V padded           flash_attn_3
+    flash_attn            cuda    bf16 fp16               <= 256; V padded           flash_attn
+    torch_cuda_flash      cuda    bf16 fp16               <= 256; V padded           torch_flash
+    torch_cuda_efficient  cuda    bf16 fp16 fp32          any, v may differ          torch_efficient
+    torch_cuda_cudnn      cuda    bf16 fp16               <= 128; V padded           torch_cudnn  (forced only)
+    reference             any     any                     any                        -  (last resort)
+
+"V padded" means the kernel wants one head dim for q, k and v: V (and out, dO in the
+backward) get zero columns up to the common dim inside the call, and the result is cut
+back; nothing padded ever leaves the call (DESIGN.md section 4: nothing on the wire).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+HALF = (torch.bfloat16, torch.float16)
+
+# What a backend name in ``KernelRequest.available`` stands for (used in error messages).
+BACKENDS = {
+    "flash_attn_3": "flash-attn 3 (the `flash_attn_interface` module of flash-attn's hopper/ build, on sm90)",
+    "flash_attn": "flash-attn 2.x (`pip install flash-attn`, sm80+)",
+    "torch_flash": "PyTorch's FlashAttention op (a CUDA build of torch, sm80+)",
+    "torch_efficient": "PyTorch's memory-efficient attention op (a CUDA build of torch)",
+    "torch_cudnn": "PyTorch's cuDNN attention op (cuDNN >= 9 in the torch build, sm80+)",
+}
+
+
+@dataclass(frozen=True)
+class KernelRule:
+    """What one kernel accepts. ``max_head_dim`` bounds ``max(q/k dim, v dim)``."""
+
+    name: str
+    device_type: str | None  # None: any device
+    dtypes: tuple[torch.dtype, ...] | None  # None: any dtype
+    max_head_dim: int | None
+    needs: str | None  # a key of BACKENDS that must be usable
+    pads_v: bool  # needs equal head dims: V is padded inside the call when they differ
+    auto: bool  # considered by ``auto`` (in table order)
+    what: str
+
+
+RULES = (
+    KernelRule("torch_cpu_flash", "cpu", (torch.float32, torch.float64) + HALF, None, None, True, True,
+               "aten::_scaled_dot_product_flash_attention_for_cpu"),
+    KernelRule("flash_attn_3", "cuda", HALF, 256, "flash_attn_3", True, True, "flash-attn 3 (Hopper)"),
+    KernelRule("flash_attn", "cuda", HALF, 256, "flash_attn", True, True, "flash-attn 2.x"),
+    KernelRule("torch_cuda_flash", "cuda", HALF, 256, "torch_flash", True, True,
+               "aten::_scaled_dot_product_flash_attention"),
+    KernelRule("torch_cuda_efficient", "cuda", HALF + (torch.float32,), None, "torch_efficient", False, True,
+               "aten::_scaled_dot_product_efficient_attention"),
+    # Not in the auto order until scripts/gpu_check.sh has passed it on a GPU.
+    KernelRule("torch_cuda_cudnn", "cuda", HALF, 128, "torch_cudnn", True, False,
+               "aten::_scaled_dot_product_cudnn_attention"),
+    KernelRule("reference", None, None, None, None, False, True, "pure PyTorch (float32 math)"),
+)
+RULES_BY_NAME = {rule.name: rule for rule in RULES}
+KERNELS = ("auto",) + tuple(RULES_BY_NAME)
+
+
+@dataclass(frozen=True)
+class KernelRequest:
+    """Everything the choice depends on; build it with ``KernelRequest.of(q, k, v, available)``."""
+
+    device_type: str
+    dtype: torch.dtype
+    qk_head_dim: int
+    v_head_dim: int
+    gqa_ratio: int = 1  # query heads per K/V head
+    available: frozenset[str] = frozenset()
+
+    @classmethod
+    def of(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, available=frozenset()) -> KernelRequest:
+        """From q ``[..., h, d_qk]``, k ``[..., hkv, d_qk]``, v ``[..., hkv, d_v]`` (heads at dim -2)."""
+        return cls(q.device.type, q.dtype, q.shape[-1], v.shape[-1], max(1, q.shape[-2] // max(1, k.shape[-2])),
+                   frozenset(available))
+
+    def describe(self) -> str:
+        dims = f"head dim {self.qk_head_dim}" if self.qk_head_dim == self.v_head_dim else (
+            f"q/k head dim {self.qk_head_dim}, v head dim {self.v_head_dim}")
+        return f"{self.dtype} on {self.device_type}, {dims}, GQA ratio {self.gqa_ratio}"
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    name: str
+    reason: str
+
+
+def _dtype_names(dtypes) -> str:
+    return "/".join(str(d).removeprefix("torch.") for d in dtypes)
+
+
+def kernel_constraint(name: str, req: KernelRequest) -> str | None:
+    """Why kernel ``name`` cannot take ``req``'s inputs, or None when it can."""
+    rule = RULES_BY_NAME[name]
+    if rule.device_type is not None and rule.device_type != req.device_type:
+        return f"{name} runs on {rule.device_type} tensors, these are on {req.device_type}"
+    if rule.needs is not None and rule.needs not in req.available:
+        return f"{name} needs {BACKENDS[rule.needs]}, which is not usable here"
+    if rule.dtypes is not None and req.dtype not in rule.dtypes:
+        return f"{name} takes {_dtype_names(rule.dtypes)} inputs, not {str(req.dtype).removeprefix('torch.')}"
+    widest = max(req.qk_head_dim, req.v_head_dim)
+    if rule.max_head_dim is not None and widest > rule.max_head_dim:
+        return (f"{name} takes head dims up to {rule.max_head_dim}, got q/k {req.qk_head_dim}, "
+                f"v {req.v_head_dim}")
+    return None
+
+
+def _padding_note(rule: KernelRule, req: KernelRequest) -> str:
+    if rule.pads_v and req.qk_head_dim != req.v_head_dim:
+        return f"; V padded from {req.v_head_dim} to {max(req.qk_head_dim, req.v_head_dim)} inside the call"
+    return ""
+
+
+def choose_kernel(req: KernelRequest, name: str = "auto") -> KernelChoice:
+    """The kernel for ``req``: ``name`` if forced (ValueError when it cannot take the
+    inputs), else the first rule of the ``auto`` order that can."""
+    if name not in KERNELS:
+        raise ValueError(f"--startrail-kernel / kernel={name!r} is not one of {KERNELS}")
+    if name != "auto":
+        why_not = kernel_constraint(name, req)
+        if why_not is not None:
+            raise ValueError(
+                f"--startrail-kernel {name} (kernel={name!r}) cannot take these inputs ({req.describe()}): "
+                f"{why_not}; use --startrail-kernel auto or another kernel"
+            )
+        return KernelChoice(name, f"forced by --startrail-kernel{_padding_note(RULES_BY_NAME[name], req)}")
+    rejected = []
+    for rule in RULES:
+        if not rule.auto:
+            continue
+        why_not = kernel_constraint(rule.name, req)
+        if why_not is None:
+            if rule.name == "reference":
+                if not rejected:
+                    fused = ", ".join(f"{r.name} ({r.device_type})" for r in RULES if r.device_type and r.auto)
+                    return KernelChoice("reference", f"no fused kernel runs on {req.device_type} (there are: {fused})")
+                return KernelChoice("reference", f"no fused kernel takes {req.describe()}: " + "; ".join(rejected))
+            return KernelChoice(rule.name, f"{rule.what} takes {req.describe()}{_padding_note(rule, req)}")
+        if rule.device_type in (None, req.device_type):
+            rejected.append(why_not)
+    raise AssertionError("the reference kernel takes every input")  # pragma: no cover

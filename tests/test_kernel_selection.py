@@ -1,0 +1,458 @@
+"""Block kernel selection (the whole rule table), the forced-kernel errors, the flag,
+MLA head dims at the kernel level, and the CPU-executable parts of the CUDA adapters
+(padding, lse rows, op argument plumbing on the meta device, flash-attn name binding)."""
+
+import argparse
+import itertools
+import types
+import warnings
+
+import pytest
+import torch
+
+from megatron_startrail import kernels
+from megatron_startrail import new_startrail_groups, startrail_attn
+from megatron_startrail.kernels import (
+    BACKENDS,
+    RULES,
+    KernelRequest,
+    ReferenceKernel,
+    TorchCPUFlashKernel,
+    check_kernel,
+    choose_kernel,
+    kernel_constraint,
+    kernel_for,
+)
+from megatron_startrail.kernels.flash_attn import _FlashAttnBase, call_by_name
+from megatron_startrail.kernels.padding import (
+    EqualHeadDimsKernel,
+    common_head_dim,
+    cut_head_dim,
+    pad_head_dim,
+    pad_lse_rows,
+    trim_lse,
+)
+from megatron_startrail.kernels.torch_cuda import TorchCUDACudnnKernel, TorchCUDAEfficientKernel, TorchCUDAFlashKernel
+from megatron_startrail.megatron.arguments import add_startrail_args
+from tests.attention_cases import TOLERANCE, reference_with_grads, relative_error
+from tests.multiproc import run_ranks
+
+ALL = frozenset(BACKENDS)
+TORCH_ONLY = frozenset({"torch_flash", "torch_efficient", "torch_cudnn"})
+HALF = (torch.bfloat16, torch.float16)
+
+
+def req(device="cuda", dtype=torch.bfloat16, qk=128, v=None, gqa=1, available=ALL):
+    return KernelRequest(device, dtype, qk, v or qk, gqa, frozenset(available))
+
+
+# (request, expected auto choice): the README table, row by row.
+CASES = [
+    (req("cpu", torch.float32), "torch_cpu_flash"),
+    (req("cpu", torch.float64, 192, 128), "torch_cpu_flash"),
+    (req("cpu", torch.bfloat16, 512, available=()), "torch_cpu_flash"),
+    (req(dtype=torch.bfloat16), "flash_attn_3"),
+    (req(dtype=torch.float16, available=ALL - {"flash_attn_3"}), "flash_attn"),
+    (req(dtype=torch.bfloat16, gqa=8, available=TORCH_ONLY), "torch_cuda_flash"),
+    (req(dtype=torch.bfloat16, qk=192, v=128, available=TORCH_ONLY), "torch_cuda_flash"),  # MLA: V padded
+    (req(dtype=torch.float32), "torch_cuda_efficient"),  # a run without --bf16
+    (req(dtype=torch.float32, qk=192, v=128), "torch_cuda_efficient"),  # fp32 MLA: native
+    (req(dtype=torch.bfloat16, qk=320), "torch_cuda_efficient"),  # wider than flash's 256
+    (req(dtype=torch.bfloat16, available={"torch_efficient", "torch_cudnn"}), "torch_cuda_efficient"),  # no sm80
+    (req(dtype=torch.float64), "reference"),
+    (req(dtype=torch.bfloat16, available=()), "reference"),
+    (req("mps", torch.float32, available=()), "reference"),
+]
+
+
+@pytest.mark.parametrize("request_, expected", CASES, ids=lambda x: getattr(x, "describe", lambda: x)())
+def test_auto_choice_follows_the_rule_table(request_, expected):
+    choice = choose_kernel(request_)
+    assert choice.name == expected
+    assert kernel_constraint(choice.name, request_) is None
+    if request_.qk_head_dim != request_.v_head_dim and expected in ("torch_cuda_flash", "torch_cpu_flash"):
+        assert "V padded from 128 to 192" in choice.reason
+
+
+def test_auto_choice_over_every_combination():
+    # Every device x dtype x head dims x GQA x backend subset: auto picks an auto kernel that
+    # takes the inputs, never cuDNN (forced only), and the reference only when no fused
+    # kernel of the device takes them.
+    subsets = [frozenset(c) for n in range(len(ALL) + 1) for c in itertools.combinations(sorted(ALL), n)]
+    dims = [(64, 64), (128, 128), (192, 128), (128, 192), (256, 256), (320, 320), (576, 512)]
+    count = 0
+    for device, dtype, (qk, v), gqa, available in itertools.product(
+        ("cpu", "cuda", "xpu"), (torch.float16, torch.bfloat16, torch.float32, torch.float64), dims, (1, 4),
+        subsets,
+    ):
+        r = KernelRequest(device, dtype, qk, v, gqa, available)
+        choice = choose_kernel(r)
+        rule = next(x for x in RULES if x.name == choice.name)
+        assert rule.auto and kernel_constraint(choice.name, r) is None
+        fused_fits = [x.name for x in RULES if x.auto and x.name != "reference" and kernel_constraint(x.name, r) is None]
+        assert (choice.name == "reference") == (not fused_fits)
+        if fused_fits:
+            assert choice.name == fused_fits[0]  # table order
+        count += 1
+    assert count == 3 * 4 * len(dims) * 2 * 2 ** len(ALL)
+
+
+@pytest.mark.parametrize(
+    "name, request_, constraint",
+    [
+        ("torch_cuda_flash", req(dtype=torch.float32), "takes bfloat16/float16 inputs, not float32"),
+        ("flash_attn", req(available=TORCH_ONLY), "needs flash-attn 2.x"),
+        ("flash_attn_3", req(available=TORCH_ONLY), "needs flash-attn 3"),
+        ("torch_cuda_cudnn", req(qk=192, v=128), "head dims up to 128, got q/k 192, v 128"),
+        ("torch_cuda_flash", req(qk=320), "head dims up to 256"),
+        ("torch_cpu_flash", req(), "runs on cpu tensors, these are on cuda"),
+        ("torch_cuda_efficient", req("cpu", torch.float32), "runs on cuda tensors, these are on cpu"),
+        ("torch_cuda_efficient", req(dtype=torch.float64), "not float64"),
+    ],
+)
+def test_forced_kernel_that_cannot_take_the_inputs_names_the_flag(name, request_, constraint):
+    with pytest.raises(ValueError) as err:
+        choose_kernel(request_, name)
+    message = str(err.value)
+    assert "--startrail-kernel" in message and f"kernel={name!r}" in message and constraint in message
+
+
+def test_forced_kernel_that_fits_and_unknown_names():
+    assert choose_kernel(req(dtype=torch.float32), "reference").name == "reference"
+    choice = choose_kernel(req(qk=192, v=128), "torch_cuda_flash")
+    assert choice.name == "torch_cuda_flash" and "forced" in choice.reason and "V padded" in choice.reason
+    with pytest.raises(ValueError, match="--startrail-kernel"):
+        choose_kernel(req(), "triton")
+
+
+def test_check_kernel_reads_the_tensors():
+    # fp32 and MLA shapes on this (CPU) machine: the CPU kernel; on CUDA the rules above.
+    q, k, v = torch.randn(4, 1, 8, 24), torch.randn(4, 1, 2, 24), torch.randn(4, 1, 2, 16)  # [s, b, h, d]
+    r = KernelRequest.of(q, k, v)
+    assert (r.device_type, r.dtype, r.qk_head_dim, r.v_head_dim, r.gqa_ratio) == ("cpu", torch.float32, 24, 16, 4)
+    assert check_kernel("auto", q, k, v).name == "torch_cpu_flash"
+    assert isinstance(kernel_for(q, k, v), TorchCPUFlashKernel)
+    with pytest.raises(ValueError, match="--startrail-kernel torch_cuda_efficient"):
+        check_kernel("torch_cuda_efficient", q, k, v)
+
+
+def test_reference_fallback_warns_once_naming_what_is_missing():
+    kernels._warn_once.cache_clear()
+    q = torch.empty(4, 1, 2, 8, device="meta")  # a device no fused kernel runs on
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert isinstance(kernel_for(q, q, q), ReferenceKernel)
+        kernels.kernel_for(q, q, q)
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1
+    assert "reference block kernel" in messages[0] and "no fused kernel runs on meta" in messages[0]
+    # On CUDA the reason names each missing or unfit kernel.
+    reason = choose_kernel(req(dtype=torch.float64, available={"torch_efficient"})).reason
+    assert "torch_cuda_efficient takes bfloat16/float16/float32 inputs, not float64" in reason
+    assert "flash_attn needs flash-attn 2.x" in reason
+
+
+# --- MLA head dims at the kernel level (q/k 24, v 16: 192/128 scaled down) ---------------
+
+@pytest.mark.parametrize("kernel", [ReferenceKernel(), TorchCPUFlashKernel()], ids=lambda k: k.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_heads", [4, 2])
+@pytest.mark.parametrize("causal", [True, False])
+def test_mla_head_dims_forward_backward(kernel, dtype, kv_heads, causal):
+    gen = torch.Generator().manual_seed(7)
+    s, b, h, dqk, dv = 10, 2, 4, 24, 16
+    q, k, v, dout = (
+        torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+        for shape in [(s, b, h, dqk), (s, b, kv_heads, dqk), (s, b, kv_heads, dv), (s, b, h, dv)]
+    )
+    scale = dqk**-0.5
+    ref = reference_with_grads(*(t.double() for t in (q, k, v, dout)), causal, scale)
+    bhsd = lambda x: x.permute(1, 2, 0, 3)  # noqa: E731 - the schedule's [b, h, s, d] views
+    out, lse = kernel.forward(bhsd(q), bhsd(k), bhsd(v), causal=causal, scale=scale)
+    assert out.shape == (b, h, s, dv) and lse.shape == (b, h, s)
+    grads = kernel.backward(bhsd(dout), bhsd(q), bhsd(k), bhsd(v), out, lse, causal=causal, scale=scale)
+    for got, want in zip((out, *grads), ref):
+        assert got.shape == bhsd(want).shape
+        assert relative_error(got.permute(2, 0, 1, 3), want) <= TOLERANCE[dtype]
+
+
+class _PaddedReference(EqualHeadDimsKernel):
+    """The reference kernel behind the padding wrapper, refusing unequal dims like fused ops."""
+
+    name = "padded_reference"
+    head_dim_multiple = 8
+
+    def _forward(self, q, k, v, *, causal, scale):
+        assert q.shape[-1] == k.shape[-1] == v.shape[-1] and q.shape[-1] % 8 == 0
+        return ReferenceKernel().forward(q, k, v, causal=causal, scale=scale)
+
+    def _backward(self, dout, q, k, v, out, lse, *, causal, scale):
+        assert len({t.shape[-1] for t in (dout, q, k, v, out)}) == 1
+        return ReferenceKernel().backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+
+
+@pytest.mark.parametrize("dqk, dv", [(12, 7), (7, 12), (16, 16)])
+def test_head_dim_padding_is_exact(dqk, dv):
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(2, 4, 9, dqk, generator=gen, dtype=torch.float64), torch.randn(2, 2, 9, dqk, generator=gen, dtype=torch.float64)
+    v, dout = torch.randn(2, 2, 9, dv, generator=gen, dtype=torch.float64), torch.randn(2, 4, 9, dv, generator=gen, dtype=torch.float64)
+    ref, padded = ReferenceKernel(), _PaddedReference()
+    out, lse = ref.forward(q, k, v, causal=True, scale=0.3)
+    pout, plse = padded.forward(q, k, v, causal=True, scale=0.3)
+    assert pout.shape == out.shape and torch.allclose(pout, out, rtol=0, atol=1e-13)
+    assert torch.allclose(plse, lse, rtol=0, atol=1e-13)
+    for got, want in zip(padded.backward(dout, q, k, v, out, lse, causal=True, scale=0.3),
+                         ref.backward(dout, q, k, v, out, lse, causal=True, scale=0.3)):
+        assert got.shape == want.shape and torch.allclose(got, want, rtol=0, atol=1e-12)
+
+
+def test_padding_and_lse_row_helpers():
+    x = torch.randn(2, 3, 5, 6)
+    assert pad_head_dim(x, 6) is x and common_head_dim(192, 128) == 192 and common_head_dim(60, 12, 8) == 64
+    padded = pad_head_dim(x, 8)
+    assert padded.shape == (2, 3, 5, 8) and padded[..., 6:].abs().sum() == 0 and torch.equal(cut_head_dim(padded, 6), x)
+    with pytest.raises(ValueError):
+        pad_head_dim(x, 4)
+    lse = torch.randn(2, 3, 50)
+    rows = pad_lse_rows(lse)  # the memory-efficient op's layout: rows a multiple of 32
+    assert rows.shape == (2, 3, 64) and rows.is_contiguous() and torch.equal(trim_lse(rows, 50), lse)
+    assert torch.equal(trim_lse(lse.unsqueeze(-1), 50), lse)  # cuDNN's [b, h, sq, 1]
+
+
+# --- the CUDA adapters' op plumbing, on the meta device (shapes only; no GPU here) ---------
+
+@pytest.mark.parametrize("kernel", [TorchCUDAFlashKernel(), TorchCUDAEfficientKernel(), TorchCUDACudnnKernel()],
+                         ids=lambda k: k.name)
+@pytest.mark.parametrize("dqk, dv, kv_heads", [(64, 64, 4), (64, 64, 1), (192, 128, 2), (60, 60, 4)])
+def test_cuda_adapters_call_the_ops_with_their_schemas(kernel, dqk, dv, kv_heads):
+    b, h, sq, sk = 2, 4, 50, 70
+    meta = lambda *shape: torch.empty(*shape, device="meta", dtype=torch.bfloat16)  # noqa: E731
+    q, k, v = meta(b, h, sq, dqk), meta(b, kv_heads, sk, dqk), meta(b, kv_heads, sk, dv)
+    out, lse = kernel.forward(q, k, v, causal=False, scale=0.1)
+    assert out.shape == (b, h, sq, dv) and lse.shape == (b, h, sq) and lse.dtype == torch.float32
+    dq, dk, dv_ = kernel.backward(meta(b, h, sq, dv), q, k, v, out, lse, causal=False, scale=0.1)
+    assert (dq.shape, dk.shape, dv_.shape) == (q.shape, k.shape, v.shape)
+
+
+def _fake_flash_interface(version):
+    """A stand-in flash-attn module ([b, s, h, d], GQA) backed by the reference kernel, with
+    the forward/backward signatures of flash-attn 2.7 (``version=2``) or 3.x (``version=3``)."""
+    t = lambda x: x.transpose(1, 2)  # noqa: E731
+    ref = ReferenceKernel()
+
+    def fwd(q, k, v, softmax_scale, causal):
+        assert q.stride(-1) == 1 and q.shape[-1] % 8 == 0 and q.shape[-1] == v.shape[-1]
+        out, lse = ref.forward(t(q), t(k), t(v), causal=causal, scale=softmax_scale)
+        return t(out), lse
+
+    def bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal):
+        g = ref.backward(t(dout), t(q), t(k), t(v), t(out), softmax_lse, causal=causal, scale=softmax_scale)
+        for dst, src in zip((dq, dk, dv), g):
+            dst.copy_(t(src))
+
+    if version == 2:
+        def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                            softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+            out, lse = fwd(q, k, v, softmax_scale, causal)
+            return (out, lse, None) if return_attn_probs else out
+
+        def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
+                                 window_size_left, window_size_right, softcap, alibi_slopes, deterministic,
+                                 rng_state=None):
+            assert dropout_p == 0.0 and window_size_left == -1 and alibi_slopes is None
+            bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal)
+    else:
+        def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            deterministic=False, sm_margin=0, return_attn_probs=False):
+            out, lse = fwd(q, k, v, softmax_scale, causal)
+            return (out, lse) if return_attn_probs else out
+
+        def _flash_attn_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, sequed_q, sequed_k,
+                                 max_seqlen_q, max_seqlen_k, dq, dk, dv, softmax_scale, is_causal,
+                                 window_size_left=-1, window_size_right=-1, softcap=0.0, deterministic=False,
+                                 sm_margin=0):
+            assert cu_seqlens_q is None and max_seqlen_q is None
+            bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, is_causal)
+
+    return types.SimpleNamespace(flash_attn_func=flash_attn_func, _flash_attn_backward=_flash_attn_backward)
+
+
+@pytest.mark.parametrize("version", [2, 3])
+@pytest.mark.parametrize("dqk, dv", [(24, 16), (16, 16)])
+def test_flash_attn_adapters_layout_and_backward_arguments(version, dqk, dv):
+    kernel = _FlashAttnBase()
+    kernel._interface = _fake_flash_interface(version)
+    gen = torch.Generator().manual_seed(11)
+    s, b, h, kvh = 10, 2, 4, 2
+    q, k, v, dout = (torch.randn(shape, generator=gen, dtype=torch.float64)
+                     for shape in [(s, b, h, dqk), (s, b, kvh, dqk), (s, b, kvh, dv), (s, b, h, dv)])
+    ref = reference_with_grads(q, k, v, dout, True, 0.25)
+    bhsd = lambda x: x.permute(1, 2, 0, 3)  # noqa: E731
+    out, lse = kernel.forward(bhsd(q), bhsd(k), bhsd(v), causal=True, scale=0.25)
+    grads = kernel.backward(bhsd(dout), bhsd(q), bhsd(k), bhsd(v), out, lse, causal=True, scale=0.25)
+    for got, want in zip((out, *grads), ref):
+        assert relative_error(got.permute(2, 0, 1, 3), want) <= 1e-12
+
+
+@torch.library.custom_op("startrail_test::fake_flash_backward", mutates_args=("dq",), device_types="cpu")
+def _custom_op_backward(dout: torch.Tensor, dq: torch.Tensor, softmax_scale: float, causal: bool,
+                        window_size_left: int, rng_state: torch.Tensor | None = None) -> None:
+    assert window_size_left == -1 and rng_state is None
+    dq.copy_(dout * softmax_scale)
+
+
+def test_call_by_name_through_a_torch_library_custom_op():
+    # flash-attn >= 2.7 wraps _flash_attn_backward in torch.library.custom_op.
+    dout, dq = torch.randn(5), torch.empty(5)
+    call_by_name(_custom_op_backward, dout=dout, dq=dq, softmax_scale=0.5, causal=True)
+    assert torch.equal(dq, dout * 0.5)
+
+
+def test_call_by_name_refuses_unknown_required_parameters():
+    def backward(dout, mystery):
+        return dout
+
+    assert call_by_name(lambda dout, deterministic, dropout_p=0.5: (deterministic, dropout_p), dout=1) == (False, 0.0)
+    with pytest.raises(TypeError, match="mystery"):
+        call_by_name(backward, dout=1)
+
+
+# --- the flag and its plumbing -------------------------------------------------------------
+
+def test_startrail_kernel_flag():
+    parser = add_startrail_args(argparse.ArgumentParser())
+    assert parser.parse_args([]).startrail_kernel == "auto"
+    assert parser.parse_args(["--startrail-kernel", "torch_cuda_efficient"]).startrail_kernel == "torch_cuda_efficient"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--startrail-kernel", "triton"])
+
+
+def forced_kernel_worker(rank, world_size):
+    """A bad kernel name fails in new_startrail_groups, before any group; a forced kernel that
+    cannot take the inputs fails in startrail_attn before any communication (U = 2 would start
+    with an all-to-all); a forced kernel that fits runs and is exact."""
+    messages = []
+    try:
+        new_startrail_groups(team_size=1, kernel="triton")
+    except ValueError as e:
+        messages.append(str(e))
+    groups = new_startrail_groups(team_size=1, ulysses_size=2, kernel="torch_cuda_flash")
+    assert groups.kernel == "torch_cuda_flash"
+    gen = torch.Generator().manual_seed(rank)
+    q, k, v = (torch.randn(4, 1, 4, 8, generator=gen) for _ in range(3))
+    try:
+        startrail_attn(q, k, v, groups)
+    except ValueError as e:
+        messages.append(str(e))
+    nothing_sent = groups.last_forward_stats is None
+    forced = new_startrail_groups(team_size=1, kernel="reference")
+    out = startrail_attn(q, k, v, forced)
+    auto = startrail_attn(q, k, v, new_startrail_groups(team_size=1))
+    return messages, nothing_sent, relative_error(out, auto.double())
+
+
+def test_forced_kernel_errors_on_every_rank_before_communication():
+    for messages, nothing_sent, diff in run_ranks(forced_kernel_worker, 4, timeout=120):
+        assert len(messages) == 2 and "--startrail-kernel" in messages[0]
+        assert "--startrail-kernel torch_cuda_flash" in messages[1] and "runs on cuda tensors" in messages[1]
+        assert nothing_sent and diff <= TOLERANCE[torch.float32]
+
+
+class _EmulatedAtenOps:
+    """The three CUDA attention ops emulated in float64 on the CPU, with their conventions:
+    no GQA, one head dim (flash, cuDNN), lse padded to 32 rows with junk (efficient) or
+    ``[b, h, sq, 1]`` (cuDNN), and the backward asserting it gets them back that way."""
+
+    ref = ReferenceKernel()
+
+    def _fwd(self, q, k, v, causal, scale, equal_dims):
+        assert q.shape[1] == k.shape[1] == v.shape[1], "the ops take no GQA"
+        assert q.shape[-1] % 8 == 0 and v.shape[-1] % 8 == 0
+        assert not equal_dims or q.shape[-1] == k.shape[-1] == v.shape[-1]
+        return self.ref.forward(q, k, v, causal=causal, scale=scale)
+
+    def _bwd(self, dout, q, k, v, out, lse, causal, scale):
+        return self.ref.backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+
+    def _scaled_dot_product_flash_attention(self, q, k, v, dropout_p, is_causal, debug, *, scale):
+        out, lse = self._fwd(q, k, v, is_causal, scale, True)
+        return out, lse, None, None, q.shape[2], k.shape[2], None, None, None
+
+    def _scaled_dot_product_flash_attention_backward(self, dout, q, k, v, out, lse, cq, ck, mq, mk, p, is_causal,
+                                                     seed, offset, *, scale):
+        assert cq is None and ck is None and (mq, mk) == (q.shape[2], k.shape[2]) and p == 0.0
+        return self._bwd(dout, q, k, v, out, lse, is_causal, scale)
+
+    def _scaled_dot_product_efficient_attention(self, q, k, v, bias, compute_lse, p, is_causal, *, scale):
+        assert bias is None and compute_lse and p == 0.0
+        out, lse = self._fwd(q, k, v, is_causal, scale, False)
+        padded = torch.full((*lse.shape[:2], -(-lse.shape[2] // 32) * 32), float("nan"), dtype=lse.dtype)
+        padded[..., : lse.shape[2]] = lse
+        return out, padded, None, None
+
+    def _scaled_dot_product_efficient_attention_backward(self, dout, q, k, v, bias, out, lse, seed, offset, p, mask,
+                                                         is_causal, *, scale):
+        assert lse.shape[-1] % 32 == 0 and lse.is_contiguous() and list(mask) == [True, True, True, False]
+        return (*self._bwd(dout, q, k, v, out, lse[..., : q.shape[2]], is_causal, scale), None)
+
+    def _scaled_dot_product_cudnn_attention(self, q, k, v, bias, compute_lse, p, is_causal, debug, *, scale):
+        out, lse = self._fwd(q, k, v, is_causal, scale, True)
+        return out, lse.unsqueeze(-1), None, None, q.shape[2], k.shape[2], None, None, None
+
+    def _scaled_dot_product_cudnn_attention_backward(self, dout, q, k, v, out, lse, seed, offset, bias, cq, ck, mq,
+                                                     mk, p, is_causal, *, scale):
+        assert lse.dim() == 4 and lse.shape[-1] == 1 and all(t.is_contiguous() for t in (dout, q, k, v, out))
+        return self._bwd(dout, q, k, v, out, lse.squeeze(-1), is_causal, scale)
+
+
+@pytest.mark.parametrize("kernel", [TorchCUDAFlashKernel(), TorchCUDAEfficientKernel(), TorchCUDACudnnKernel()],
+                         ids=lambda k: k.name)
+@pytest.mark.parametrize("dqk, dv", [(24, 16), (20, 20), (12, 20)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_cuda_adapters_against_emulated_ops(monkeypatch, kernel, dqk, dv, causal):
+    # GQA expansion, head-dim padding (MLA, and dims not a multiple of 8) and the ops' lse
+    # layouts, end to end in float64 against the reference; sq = 40 is not a multiple of 32.
+    from megatron_startrail.kernels import torch_cuda
+
+    monkeypatch.setattr(torch_cuda, "_aten", _EmulatedAtenOps())
+    gen = torch.Generator().manual_seed(13)
+    sq, b, h, kvh = 40, 2, 4, 2
+    sk = sq if causal else 56
+    q, k, v, dout = (torch.randn(shape, generator=gen, dtype=torch.float64)
+                     for shape in [(sq, b, h, dqk), (sk, b, kvh, dqk), (sk, b, kvh, dv), (sq, b, h, dv)])
+    bhsd = lambda x: x.permute(1, 2, 0, 3)  # noqa: E731
+    want_out, want_lse = ReferenceKernel().forward(bhsd(q), bhsd(k), bhsd(v), causal=causal, scale=0.2)
+    want = ReferenceKernel().backward(bhsd(dout), bhsd(q), bhsd(k), bhsd(v), want_out, want_lse, causal=causal,
+                                      scale=0.2)
+    out, lse = kernel.forward(bhsd(q), bhsd(k), bhsd(v), causal=causal, scale=0.2)
+    assert lse.shape == (b, h, sq) and torch.allclose(lse, want_lse, rtol=0, atol=1e-12)
+    grads = kernel.backward(bhsd(dout), bhsd(q), bhsd(k), bhsd(v), out, lse, causal=causal, scale=0.2)
+    for got, ref in zip((out, *grads), (want_out, *want)):
+        assert got.shape == ref.shape and torch.allclose(got, ref, rtol=0, atol=1e-12)
+
+
+def test_megatron_flag_is_checked_at_start_up(monkeypatch):
+    # Through Megatron's own parser: a forced kernel that cannot take the model's attention
+    # inputs fails in validate_startrail_args, before any process group exists.
+    from tests.megatron.utils import cpu_patches  # noqa: F401, PLC0415 - import shims before megatron.training
+    from megatron.training.arguments import parse_args  # noqa: PLC0415
+
+    from megatron_startrail.megatron.arguments import validate_startrail_args  # noqa: PLC0415
+
+    def parse(*extra):
+        monkeypatch.setattr("sys.argv", [
+            "pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
+            "--seq-length", "256", "--max-position-embeddings", "256", "--micro-batch-size", "1",
+            "--global-batch-size", "1", "--train-iters", "1", "--lr", "1e-3", "--attention-dropout", "0",
+            "--context-parallel-size", "2", "--context-parallel-algo", "startrail", "--startrail-team-size", "1",
+            *extra])
+        return parse_args(extra_args_provider=add_startrail_args)
+
+    args = parse()
+    assert args.startrail_kernel == "auto"
+    validate_startrail_args(args)
+    validate_startrail_args(parse("--startrail-kernel", "reference"))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    other = "torch_cpu_flash" if device == "cuda" else "torch_cuda_efficient"
+    with pytest.raises(ValueError, match=f"--startrail-kernel {other} .*runs on .* tensors, these are on {device}"):
+        validate_startrail_args(parse("--startrail-kernel", other))
