@@ -7,6 +7,12 @@ Engine GPT layer specs. Inputs are this rank's CP shard in Megatron's layout (wh
 
     query [s/CP, b, np, hn], key/value [s/CP, b, ng, hn]  ->  [s/CP, b, np * hn]
 
+Multi-Latent Attention (``MLASelfAttention``, ``--multi-latent-attention``) builds it with
+``k_channels`` = q/k head dim (``--qk-head-dim + --qk-pos-emb-head-dim``) and
+``v_channels`` = ``--v-head-dim``; value and output then have the V head dim::
+
+    query/key [s/CP, b, np, k_channels], value [s/CP, b, np, v_channels] -> [s/CP, b, np * v_channels]
+
 Packed documents (``PackedSeqParams(qkv_format="thd")``, Megatron's
 ``--dataloader-inter-document-masking`` and ``--sft``) come as one flattened sample::
 
@@ -80,6 +86,7 @@ class StarTrailCoreAttention(MegatronModule):
         *,
         startrail_groups: StarTrailGroups,
         transfer: str = "ring",
+        regather_in_backward: bool = False,
     ):
         super().__init__(config=config)
         if attention_type != "self":
@@ -103,6 +110,8 @@ class StarTrailCoreAttention(MegatronModule):
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
         self.startrail_groups = startrail_groups
         self.transfer = transfer
+        self.regather_in_backward = regather_in_backward
+        self.v_channels = v_channels  # None: value's head dim is the query's
 
     def forward(
         self,
@@ -129,11 +138,17 @@ class StarTrailCoreAttention(MegatronModule):
                 f"attention mask type {mask_type} with a mask tensor is not supported with StarTrail "
                 "(causal, or no mask)"
             )
-        # [s/CP, b, np, hn] -> [s/CP, b, np, hn]   (THD: [t/CP, np, hn] -> [t/CP, np, hn])
+        if self.v_channels is not None and value.shape[-1] != self.v_channels:
+            raise ValueError(
+                f"value head dim {value.shape[-1]} != v_channels {self.v_channels} (--v-head-dim); "
+                "StarTrail takes V at its own head dim, unpadded"
+            )
+        # [s/CP, b, np, hn] -> [s/CP, b, np, hv]   (THD: [t/CP, np, hn] -> [t/CP, np, hv])
         out = startrail_attn(
             query, key, value, self.startrail_groups,
             causal=causal, softmax_scale=self.softmax_scale, transfer=self.transfer,
             cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded,
+            regather_in_backward=self.regather_in_backward,
         )
-        # [s/CP, b, np, hn] -> [s/CP, b, np * hn]   (THD: -> [t/CP, np * hn])
+        # [s/CP, b, np, hv] -> [s/CP, b, np * hv]   (THD: -> [t/CP, np * hv])
         return out.reshape(*out.shape[:-2], -1)
