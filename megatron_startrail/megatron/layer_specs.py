@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 import copy
-import functools
+
+from megatron.core.transformer.spec_utils import ModuleSpec
 
 from ..groups import StarTrailGroups
 from .core_attention import StarTrailCoreAttention
 
 
+class CallableModuleSpec(ModuleSpec):
+    """A ``ModuleSpec`` that can also be called: ``SelfAttention`` calls its
+    ``core_attention`` with Megatron's keywords, ``MLASelfAttention`` builds it with
+    ``build_module`` (which reads ``module`` and ``params``)."""
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **self.params, **kwargs)
+
+
 def startrail_core_attention(groups: StarTrailGroups, transfer: str = "ring", regather_in_backward: bool = False):
     """The ``core_attention`` builder: Megatron calls it with its usual keywords."""
-    return functools.partial(StarTrailCoreAttention, startrail_groups=groups, transfer=transfer,
-                             regather_in_backward=regather_in_backward)
+    return CallableModuleSpec(module=StarTrailCoreAttention, params=dict(
+        startrail_groups=groups, transfer=transfer, regather_in_backward=regather_in_backward))
 
 
 def to_startrail_spec(spec, groups: StarTrailGroups, transfer: str = "ring", regather_in_backward: bool = False):
@@ -22,14 +32,20 @@ def to_startrail_spec(spec, groups: StarTrailGroups, transfer: str = "ring", reg
     (what ``get_gpt_decoder_block_spec`` returns), with ``SelfAttention`` or Multi-Latent
     Attention (``MLASelfAttention``). Everything else is unchanged.
     """
+    return with_core_attention(spec, startrail_core_attention(groups, transfer, regather_in_backward))
+
+
+def with_core_attention(spec, core_attention):
+    """A copy of a layer or block ``spec`` whose self-attention's core attention is
+    ``core_attention`` (a module class or builder)."""
     spec = copy.copy(spec)
     if hasattr(spec, "layer_specs"):  # TransformerBlockSubmodules
-        spec.layer_specs = [to_startrail_spec(s, groups, transfer, regather_in_backward) for s in spec.layer_specs]
+        spec.layer_specs = [with_core_attention(s, core_attention) for s in spec.layer_specs]
         return spec
     submodules = copy.copy(spec.submodules)
     attention = copy.copy(submodules.self_attention)
     attention_submodules = copy.copy(attention.submodules)
-    attention_submodules.core_attention = startrail_core_attention(groups, transfer, regather_in_backward)
+    attention_submodules.core_attention = core_attention
     attention.submodules = attention_submodules
     submodules.self_attention = attention
     spec.submodules = submodules
