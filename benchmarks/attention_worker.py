@@ -1,6 +1,8 @@
 """One rank of the attention benchmark (started by benchmarks/cluster_bench.py).
 
-Runs forward+backward of ``startrail_attn`` for each configuration, times it, and
+Runs forward+backward of ``startrail_attn`` for each configuration, times it, measures
+the bytes kept for backward (saved tensors, the inputs q, k, v excluded) and, in one
+extra untimed iteration, the peak of live tensor bytes (``benchmarks/memory.py``), and
 reads two byte counts of what crossed node boundaries during the timed iterations:
 the project's own accounting (P2P bytes to ranks of other nodes) and the kernel's
 counters of the node's inter-node interfaces (read by the first rank of each node from
@@ -22,6 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from benchmarks.memory import peak_live_bytes, saved_bytes
 from megatron_startrail import new_startrail_groups, startrail_attn
 
 
@@ -34,23 +37,6 @@ def node_tx_bytes() -> int:
         with open(f"/sys/class/net/{dev}/statistics/tx_bytes") as f:
             total += int(f.read())
     return total
-
-
-def saved_bytes(fn) -> tuple[object, int]:
-    """Run ``fn`` and count the bytes autograd keeps for backward (distinct storages)."""
-    seen, total = set(), 0
-
-    def pack(t):
-        nonlocal total
-        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-        if key not in seen:
-            seen.add(key)
-            total += key[1]
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, total
 
 
 def main() -> None:
@@ -88,13 +74,16 @@ def main() -> None:
         def step():
             q, k, v = (t.clone().requires_grad_(True) for t in (q0, k0, v0))
             out, kept = saved_bytes(
-                lambda: startrail_attn(q, k, v, groups, causal=w["causal"], transfer=config.get("transfer", "ring"))
+                lambda: startrail_attn(q, k, v, groups, causal=w["causal"], transfer=config.get("transfer", "ring"),
+                                       regather_in_backward=config.get("regather", False)),
+                exclude=(q, k, v),
             )
             out.backward(dout)
             return kept
 
         for _ in range(spec["warmup"]):
             step()
+        _, peak = peak_live_bytes(step, q0.device)  # untimed: the profiler slows it down
         dist.barrier()
         tx0 = node_tx_bytes() if rank % per_node == 0 else 0
         times, kept = [], 0
@@ -122,6 +111,7 @@ def main() -> None:
             "internode_bytes_accounting": cross,
             "internode_bytes_kernel": (tx1 - tx0) / spec["iters"],
             "saved_for_backward_bytes": kept,
+            "peak_live_bytes": peak,
         }
         gathered = [None] * world
         dist.all_gather_object(gathered, mine)
@@ -137,6 +127,7 @@ def main() -> None:
                 "internode_bytes_accounting": sum(g["internode_bytes_accounting"] for g in gathered),
                 "internode_bytes_kernel": sum(g["internode_bytes_kernel"] for g in gathered),
                 "saved_for_backward_bytes_max": max(g["saved_for_backward_bytes"] for g in gathered),
+                "peak_live_bytes_max": max(g["peak_live_bytes"] for g in gathered),
                 "step_latency_ms": 1000 * step_latency.item(),
             })
     if rank == 0:

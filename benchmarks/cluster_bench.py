@@ -75,7 +75,8 @@ def predictions(args, rate_mbit: float, configs: list[dict], tflops: float, late
     work = Workload(args.seq_length, args.heads, args.kv_heads or args.heads, args.head_dim, args.batch,
                     4 if args.dtype == "float32" else 2, not args.no_causal)
     world = args.nodes * args.ranks_per_node
-    return {c["name"]: 1000 * predict(cluster, work, world, c["team_size"], c["ulysses"], c["transfer"]).time_s
+    return {c["name"]: 1000 * predict(cluster, work, world, c["team_size"], c["ulysses"], c["transfer"],
+                                      c["regather"]).time_s
             for c in configs}
 
 
@@ -91,8 +92,12 @@ def ranking_report(results: list[dict]) -> str:
 
 
 def parse_config(name: str) -> dict:
-    """``ring`` | ``startrail-C`` | ``tasp`` | ``ulysses-UxstartrailC`` | ``startrail-C-multiring``."""
-    config = {"name": name, "team_size": 1, "ulysses": 1, "transfer": "ring"}
+    """``ring`` | ``startrail-C`` | ``tasp`` | ``ulysses-UxstartrailC`` | ``startrail-C-multiring``,
+    each optionally followed by ``-regather`` (``regather_in_backward=True``)."""
+    config = {"name": name, "team_size": 1, "ulysses": 1, "transfer": "ring", "regather": False}
+    if name.endswith("-regather"):
+        config["regather"] = True
+        name = name[: -len("-regather")]
     parts = name.split("x")
     if parts[0].startswith("ulysses-"):
         config["ulysses"] = int(parts[0].split("-")[1])
@@ -138,8 +143,8 @@ def run_once(args, rate_mbit: float, configs: list[dict]) -> list[dict]:
 
 def table(results: list[dict]) -> str:
     head = ("| link Mbit/s | configuration | time/iter ms | predicted ms | P2P MiB/rank | collective MiB/rank | inter-node MiB "
-            "(accounting) | inter-node MiB (kernel) | steps fwd/bwd | kept for bwd MiB/rank |")
-    lines = [head, "|" + "---|" * 10]
+            "(accounting) | inter-node MiB (kernel) | steps fwd/bwd | kept for bwd MiB/rank | peak live MiB/rank |")
+    lines = [head, "|" + "---|" * 11]
     mib = 2.0**20
     for r in results:
         lines.append(
@@ -147,7 +152,7 @@ def table(results: list[dict]) -> str:
             f"{r['p2p_bytes_sent_max'] / mib:.2f} | "
             f"{r['collective_bytes_sent_max'] / mib:.2f} | {r['internode_bytes_accounting'] / mib:.2f} | "
             f"{r['internode_bytes_kernel'] / mib:.2f} | {r['p2p_steps_forward']}/{r['p2p_steps_backward']} | "
-            f"{r['saved_for_backward_bytes_max'] / mib:.2f} |"
+            f"{r['saved_for_backward_bytes_max'] / mib:.2f} | {r['peak_live_bytes_max'] / mib:.2f} |"
         )
     return "\n".join(lines)
 
@@ -159,7 +164,7 @@ def plot(results: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     rates = sorted({r["rate_mbit"] for r in results})
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
     names = list(dict.fromkeys(r["name"] for r in results))
     width = 0.8 / len(names)
     for i, name in enumerate(names):
@@ -168,6 +173,16 @@ def plot(results: list[dict], path: str) -> None:
         axes[0].bar(xs, [rows[x]["time_ms_median"] if x in rows else 0 for x in rates], width, label=name)
         axes[1].bar(xs, [rows[x]["internode_bytes_kernel"] / 2**20 if x in rows else 0 for x in rates], width,
                     label=name)
+    for i, name in enumerate(names):  # memory against time, one point per configuration and link rate
+        rows = [r for r in results if r["name"] == name]
+        axes[2].scatter([r["time_ms_median"] for r in rows], [r["peak_live_bytes_max"] / 2**20 for r in rows],
+                        label=name, color=f"C{i}")
+        axes[2].scatter([r["time_ms_median"] for r in rows], [r["saved_for_backward_bytes_max"] / 2**20 for r in rows],
+                        marker="x", color=f"C{i}")
+    axes[2].set_xlabel("time per forward+backward (ms, median)")
+    axes[2].set_ylabel("MiB per rank (max over ranks)")
+    axes[2].set_title("peak live tensors (o) and kept for backward (x)")
+    axes[2].grid(alpha=0.3)
     for ax, title in zip(axes, ("time per forward+backward (ms, median)", "bytes across nodes per iteration (MiB)")):
         ax.set_xticks([k + 0.4 - width / 2 for k in range(len(rates))])
         ax.set_xticklabels([f"{x:g} Mbit/s" for x in rates])
