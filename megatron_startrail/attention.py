@@ -168,9 +168,7 @@ class _StarTrailAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        groups, docs, causal, scale, kernel = ctx.groups, ctx.docs, ctx.causal, ctx.scale, ctx.kernel
-        topo, pos = groups.topology, groups.startrail_rank
-        c, team = topo.team_size, topo.team_of(pos)
+        groups, docs = ctx.groups, ctx.docs
         comm = Communicator(ctx.bwd_stats, groups.startrail_group, groups.startrail_global_ranks)
         if ctx.regather:  # phases 1-2 again, on this rank's q, k, v
             q, k, v, out, lse = ctx.saved_tensors
@@ -179,72 +177,91 @@ class _StarTrailAttention(torch.autograd.Function):
             del kv_team
         else:
             q_team, kv_init, out, lse = ctx.saved_tensors
-        dtype, acc_dtype = q_team.dtype, _acc_dtype(q_team.dtype)
-        dqk, dv = q_team.shape[-1], out.shape[-1]
-        rows = q_team.shape[0]  # of the team's gathered sequence
-        lanes = sub_ring_lanes(topo, pos, ctx.transfer)
+        dtype, dqk = q_team.dtype, q_team.shape[-1]
+        q_side, lse_team = _gather_query_side(comm, groups, q_team, dout, out, lse)
+        del q_team
+        dq_team, dkv_init = _sub_ring_backward(comm, groups, docs, ctx.kernel, ctx.transfer, ctx.rotation,
+                                               q_side, lse_team, kv_init, dqk, causal=ctx.causal, scale=ctx.scale)
+        dkv_team = _initial_send_reverse(comm, groups, dkv_init)
+        # team reduce-scatter (float32): every member keeps its own rows
+        dq = comm.reduce_scatter(dq_team, groups.team_group, groups.team_size, op="team_reduce_scatter")
+        dkv = comm.reduce_scatter(dkv_team, groups.team_group, groups.team_size, op="team_reduce_scatter")
+        dk, dv = dkv[..., :dqk].to(dtype), dkv[..., dqk:].to(dtype)
+        return dq.to(dtype), dk, dv, None, None, None, None, None, None, None, None, None
 
-        # 1. team all-gather of the query-side inputs of the block backward
-        do_out = comm.all_gather(torch.cat([dout, out], dim=-1), groups.team_group, c, op="team_all_gather")
-        lse_team = comm.all_gather(lse, groups.team_group, c, op="team_all_gather")  # [C*n, b, h]
-        q_side = torch.cat([q_team, do_out], dim=-1)  # [C*n, b, h, dqk + 2 dv]: q | dO | out
-        del q_team, do_out
-        own_q_segments = _team_segments(groups, docs, team)
+
+# -- the backward's own phases ---------------------------------------------------------------
+
+
+def _gather_query_side(comm, groups, q_team, dout, out, lse):
+    """Team all-gather of the query-side inputs of the block backward: returns
+    ``q_side [C*n, b, h, dqk + 2 dv]`` (q | dO | out side by side) and ``lse_team [C*n, b, h]``."""
+    c = groups.team_size
+    do_out = comm.all_gather(torch.cat([dout, out], dim=-1), groups.team_group, c, op="team_all_gather")
+    lse_team = comm.all_gather(lse, groups.team_group, c, op="team_all_gather")
+    return torch.cat([q_team, do_out], dim=-1), lse_team
+
+
+def _sub_ring_backward(comm, groups, docs, kernel, transfer, rotation, q_side, lse_team, kv_init, dqk, *,
+                       causal, scale):
+    """The forward's sub-ring schedule with one side fixed and the other circulating with
+    its gradient accumulator (``rotation`` "q": Q, dO, out, lse and dQ move, paper 3.2.1;
+    "kv": K, V and dK, dV move). Returns ``dq_team [C*n, b, h, dqk]`` and
+    ``dkv_init [C*n, b, hkv, dqk + dv]`` (accumulator dtype)."""
+    topo, pos = groups.topology, groups.startrail_rank
+    acc_dtype = _acc_dtype(q_side.dtype)
+    dv = (q_side.shape[-1] - dqk) // 2
+    rows = q_side.shape[0]  # of the team's gathered sequence
+    lanes = sub_ring_lanes(topo, pos, transfer)
+
+    def grads(qs, lse_rows, kv, q_segments, kv_segments, dq, dkv):
+        q, dout, out = qs[..., :dqk], qs[..., dqk : dqk + dv], qs[..., dqk + dv :]
+        blocks.backward_step(kernel, q, dout, out, lse_rows, kv, q_segments, kv_segments, dq, dkv,
+                             causal=causal, scale=scale)
+
+    if rotation == "q":
         own_kv_segments = _team_segments(groups, docs, topo.kv_team_at_step(pos, 0))
+        dkv_init = kv_init.new_zeros(kv_init.shape, dtype=acc_dtype)
+        q_rot = LaneSplit(lanes, rows, lambda origin: _team_segments(groups, docs, topo.team_of(origin)))
 
-        def grads(qs, lse_rows, kv, q_segments, kv_segments, dq, dkv):
-            q_, dout_, out_ = qs[..., :dqk], qs[..., dqk : dqk + dv], qs[..., dqk + dv :]
-            blocks.backward_step(kernel, q_, dout_, out_, lse_rows, kv, q_segments, kv_segments,
-                                 dq, dkv, causal=causal, scale=scale)
+        def step_q(step, payloads):
+            contrib = []
+            for lane_index, (lane, (qs, lse_rows)) in enumerate(zip(q_rot.lanes, payloads)):
+                dq = qs.new_zeros(qs.shape[:-1] + (dqk,), dtype=acc_dtype)
+                q_segments = q_rot.part_segments(lane.origin(pos, step), lane_index)
+                grads(qs, lse_rows, kv_init, q_segments, own_kv_segments, dq, dkv_init)
+                contrib.append([dq])
+            return contrib
 
-        # 2. the sub-ring, one side fixed, the other circulating with its gradients
-        if ctx.rotation == "q":
-            dkv_init = kv_init.new_zeros(kv_init.shape, dtype=acc_dtype)
-            q_rot = LaneSplit(lanes, rows, lambda origin: _team_segments(groups, docs, topo.team_of(origin)))
+        home = rotate(comm, q_rot.lanes, pos, q_rot.split([q_side, lse_team]), step_q, op="sub_ring", accumulate=True)
+        return q_rot.join([lane_acc[0] for lane_acc in home]), dkv_init
 
-            def step_q(step, payloads):
-                contrib = []
-                for lane_index, (lane, (qs, lse_rows)) in enumerate(zip(q_rot.lanes, payloads)):
-                    dq = qs.new_zeros(qs.shape[:-1] + (dqk,), dtype=acc_dtype)
-                    q_segments = q_rot.part_segments(lane.origin(pos, step), lane_index)
-                    grads(qs, lse_rows, kv_init, q_segments, own_kv_segments, dq, dkv_init)
-                    contrib.append([dq])
-                return contrib
+    own_q_segments = _team_segments(groups, docs, topo.team_of(pos))
+    dq_team = q_side.new_zeros(q_side.shape[:-1] + (dqk,), dtype=acc_dtype)
+    kv_rot = LaneSplit(lanes, rows, lambda origin: _team_segments(groups, docs, topo.kv_team_at_step(origin, 0)))
 
-            home = rotate(comm, q_rot.lanes, pos, q_rot.split([q_side, lse_team]), step_q,
-                          op="sub_ring", accumulate=True)
-            dq_team = q_rot.join([lane_acc[0] for lane_acc in home])
-        else:
-            dq_team = q_side.new_zeros(q_side.shape[:-1] + (dqk,), dtype=acc_dtype)
-            kv_rot = LaneSplit(
-                lanes, rows, lambda origin: _team_segments(groups, docs, topo.kv_team_at_step(origin, 0))
-            )
+    def step_kv(step, payloads):
+        contrib = []
+        for lane_index, (lane, (kv,)) in enumerate(zip(kv_rot.lanes, payloads)):
+            dkv = kv.new_zeros(kv.shape, dtype=acc_dtype)
+            kv_segments = kv_rot.part_segments(lane.origin(pos, step), lane_index)
+            grads(q_side, lse_team, kv, own_q_segments, kv_segments, dq_team, dkv)
+            contrib.append([dkv])
+        return contrib
 
-            def step_kv(step, payloads):
-                contrib = []
-                for lane_index, (lane, (kv,)) in enumerate(zip(kv_rot.lanes, payloads)):
-                    dkv = kv.new_zeros(kv.shape, dtype=acc_dtype)
-                    kv_segments = kv_rot.part_segments(lane.origin(pos, step), lane_index)
-                    grads(q_side, lse_team, kv, own_q_segments, kv_segments, dq_team, dkv)
-                    contrib.append([dkv])
-                return contrib
+    home = rotate(comm, kv_rot.lanes, pos, kv_rot.split([kv_init]), step_kv, op="sub_ring", accumulate=True)
+    return dq_team, kv_rot.join([lane_acc[0] for lane_acc in home])
 
-            home = rotate(comm, kv_rot.lanes, pos, kv_rot.split([kv_init]), step_kv,
-                          op="sub_ring", accumulate=True)
-            dkv_init = kv_rot.join([lane_acc[0] for lane_acc in home])
 
-        # 3. dK, dV go back along the reverse of the initial send
-        dst, src = topo.init_send_dst(pos), topo.init_send_src(pos)
-        dkv_team = dkv_init
-        if dst != pos:
-            dkv_team = torch.empty_like(dkv_init)
-            comm.post([(dkv_init, src)], [(dkv_team, dst)], op="init_send_reverse").wait()
-
-        # 4. team reduce-scatter (float32): every member keeps its own rows
-        dq = comm.reduce_scatter(dq_team, groups.team_group, c, op="team_reduce_scatter")
-        dkv = comm.reduce_scatter(dkv_team, groups.team_group, c, op="team_reduce_scatter")
-        dk, dv_ = dkv[..., :dqk].to(dtype), dkv[..., dqk:].to(dtype)
-        return dq.to(dtype), dk, dv_, None, None, None, None, None, None, None, None, None
+def _initial_send_reverse(comm, groups, dkv_init):
+    """dK, dV go back along the reverse of the initial send."""
+    topo, pos = groups.topology, groups.startrail_rank
+    dst, src = topo.init_send_dst(pos), topo.init_send_src(pos)
+    if dst == pos:
+        return dkv_init
+    dkv_team = torch.empty_like(dkv_init)
+    comm.post([(dkv_init, src)], [(dkv_team, dst)], op="init_send_reverse").wait()
+    return dkv_team
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: StarTrailGroups) -> None:
