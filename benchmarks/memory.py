@@ -7,12 +7,11 @@ caller's own inputs, are left out).
 
 ``peak_live_bytes``: the peak of live tensor bytes above the level at the start, during
 ``fn`` (e.g. one forward+backward), on this process. CUDA: the caching allocator's
-``max_memory_allocated``. CPU: ``torch.profiler``'s memory accounting (every allocation
-and free of the CPU allocator, attributed to the op that made it), summed in op start
-order; the running sum's maximum is the peak. A temporary allocated and freed inside one
-op (no child op) is not seen, so the CPU figure is a lower bound by at most one op's
-scratch. Both count tensors (communication buffers are tensors), not the allocator's
-cached or fragmented memory.
+``max_memory_allocated``. CPU: ``torch.profiler`` with ``profile_memory``
+records every allocation and free of the CPU allocator with its size and time (this
+process's allocations; gloo's own transport buffers are not tensors and are not seen);
+summed in time order, the running sum's maximum is the peak. Both count tensors
+(communication buffers are tensors), not the allocator's cached or fragmented memory.
 """
 
 from __future__ import annotations
@@ -56,14 +55,23 @@ def peak_live_bytes(fn: Callable[[], object], device: torch.device) -> tuple[obj
         out = fn()
         torch.cuda.synchronize(device)
         return out, torch.cuda.max_memory_allocated(device) - start
+    from torch._C._profiler import _EventType  # noqa: PLC0415
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = fn()
-    # An op's self memory is what it allocated (less what it freed) outside its child
-    # ops; "[memory]" events are frees (and allocations) outside any op.
+    # Every allocation (+size) and free (-size) of the CPU allocator, with its time: the
+    # raw stream that torch.profiler's own memory timeline is built from (op-level
+    # "self memory" would apply a parent op's frees before its children's allocations).
+    changes: list[tuple[int, int]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation:
+            changes.append((node.start_time_ns, node.extra_fields.alloc_size))
+        stack.extend(node.children)
     live = peak = 0
-    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
-        live += e.self_cpu_memory_usage
+    for _, nbytes in sorted(changes):
+        live += nbytes
         peak = max(peak, live)
     return out, peak
