@@ -4,36 +4,43 @@
         --tensor-model-parallel-size 2 --context-parallel-size 4 \
         --context-parallel-algo startrail --startrail-team-size 2 \
         --num-layers 2 --hidden-size 128 --num-attention-heads 8 --seq-length 2048 \
-        --micro-batch-size 1 --global-batch-size 4 --train-iters 30 --lr 2e-3 --log-interval 1
+        --micro-batch-size 1 --global-batch-size 4 --train-iters 30 --lr 2e-3 --log-interval 1 \
+        --dataloader-inter-document-masking
 
 Megatron's own training program: ``megatron.training.arguments.parse_args`` with the
 StarTrail flags added through ``extra_args_provider``, then ``megatron.training.pretrain``
 (DDP, the Megatron optimizer and LR schedule, the pipeline schedules, its data loader and
 its ``training_log`` lines, plus tokens/s). The only StarTrail-specific steps are here in
 :func:`initialize_parallel` (groups built once, right after ``initialize_model_parallel``)
-and :func:`model_provider` (the layer spec with StarTrail core attention). Batches go
-through ``get_batch_on_this_cp_rank`` unchanged.
+and :func:`model_provider` (the layer spec with StarTrail core attention and, for packed
+documents, the sample-layout RoPE of ``megatron_startrail.megatron.packed_rope``).
 
 Runs on GPUs (nccl, Transformer Engine spec when ``--transformer-impl
 transformer_engine``) and on CPU-only machines (gloo, local spec, with
 ``megatron_startrail.megatron.cpu_patches``).
 
-Data: a byte-level language model (vocabulary 256, Megatron's ``NullTokenizer``) over
-``examples/data/licenses.txt`` (``--text-file``; see examples/data/README.md): sample
-``i`` is the window of ``--seq-length + 1`` bytes at an offset drawn from ``--seed``, so
-every parallel layout sees the same tokens and its losses can be compared with
-``--context-parallel-size 1``. This example turns dropout off by default for the same
-reason (``--attention-dropout``/``--hidden-dropout`` still override it).
+Data: Megatron's own pipeline, as in Megatron-LM's ``pretrain_gpt.py``:
+``BlendedMegatronDatasetBuilder`` over ``GPTDataset`` (``--data-path``, ``--split``) or
+``MockGPTDataset`` (``--mock-data``), ``--tokenizer-type``, ``--reset-position-ids``,
+``--reset-attention-mask``, ``--eod-mask-loss`` and ``--dataloader-inter-document-masking``
+(packed documents: ``cu_seqlens`` reach the core attention as ``PackedSeqParams``), and
+Megatron's batch steps (:func:`get_batch`). With no data flag the example trains a
+byte-level GPT (``NullTokenizer``, ``--vocab-size 257``: bytes and EOD) on the thirteen
+license texts of examples/data/, one document each, converted on first use into Megatron's
+indexed format by examples/data/make_indexed_dataset.py (``--split 12,1,0``: the Python
+license is the validation document). Dropout is off by default so that every parallel
+layout gives the losses of ``--context-parallel-size 1`` (``--attention-dropout`` /
+``--hidden-dropout`` still override it).
 """
 
 from __future__ import annotations
 
 import datetime
 import functools
+import importlib.util
 import os
 import sys
 
-import numpy as np
 import torch
 
 CPU_ONLY = not torch.cuda.is_available()
@@ -44,21 +51,30 @@ if CPU_ONLY:
 
 import torch.distributed as dist  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder  # noqa: E402
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset  # noqa: E402
 from megatron.core.enums import ModelType  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: E402
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
+from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
-from megatron.core.utils import get_batch_on_this_cp_rank  # noqa: E402
-from megatron.training import get_args, pretrain  # noqa: E402
+from megatron.core.utils import (  # noqa: E402
+    flatten_batch_for_packed_sequences,
+    get_attr_wrapped_model,
+    get_batch_on_this_cp_rank,
+    get_batch_on_this_tp_rank,
+)
+from megatron.training import get_args, get_tokenizer, pretrain, print_rank_0  # noqa: E402
 from megatron.training.argument_utils import (  # noqa: E402
     core_transformer_config_from_args,
     pretrain_cfg_container_from_args,
 )
 from megatron.training.arguments import parse_args, validate_args  # noqa: E402
 from megatron.training.global_vars import set_global_variables  # noqa: E402
+from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage  # noqa: E402
 
 from megatron_startrail.megatron.arguments import add_startrail_args, validate_startrail_args  # noqa: E402
 from megatron_startrail.megatron.core_attention import LocalMLACoreAttention  # noqa: E402
@@ -66,21 +82,53 @@ from megatron_startrail.megatron.layer_specs import to_startrail_spec, with_core
 from megatron_startrail.megatron.parallel_state import initialize_startrail  # noqa: E402
 from megatron_startrail.megatron.training_log import log_tokens_per_second  # noqa: E402
 
-TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "licenses.txt")
-VALID_FRACTION = 0.1  # the end of the text is held out for --eval-iters
+HERE = os.path.dirname(os.path.abspath(__file__))
+_spec = importlib.util.spec_from_file_location("make_indexed_dataset", os.path.join(HERE, "data", "make_indexed_dataset.py"))
+make_indexed_dataset = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(make_indexed_dataset)
+DEFAULT_SPLIT = "12,1,0"  # the licenses: 12 documents to train on, the last one to validate
 
 
 def add_example_args(parser):
-    """The StarTrail flags, this example's data flag, and its defaults for Megatron's flags."""
+    """The StarTrail flags and this example's defaults for Megatron's flags."""
     add_startrail_args(parser)
-    parser.add_argument_group(title="pretrain_gpt example").add_argument(
-        "--text-file", default=TEXT, help="Plain text to train a byte-level GPT on."
-    )
     parser.set_defaults(
-        tokenizer_type="NullTokenizer", vocab_size=256, position_embedding_type="rope",
+        tokenizer_type="NullTokenizer", vocab_size=make_indexed_dataset.VOCAB_SIZE, position_embedding_type="rope",
         attention_dropout=0.0, hidden_dropout=0.0, eval_iters=0, eval_interval=1000, num_workers=0,
     )
     return parser
+
+
+def use_default_data(args) -> None:
+    """No data flag: the bundled licenses, built into Megatron's indexed format on first use."""
+    data_flags = ("data_path", "train_data_path", "valid_data_path", "test_data_path", "data_args_path",
+                  "per_split_data_args_path")
+    if args.mock_data or any(getattr(args, name, None) for name in data_flags):
+        return
+    args.data_path = [make_indexed_dataset.ensure_built()]
+    if args.split is None:
+        args.split = DEFAULT_SPLIT
+
+
+def validate_example_args(args) -> None:
+    """What this example's CPU path cannot run, as ValueErrors that name the flag to change."""
+    if args.context_parallel_algo == "megatron" and args.context_parallel_size > 1 \
+            and args.transformer_impl != "transformer_engine":
+        # Megatron's local DotProductAttention asserts CP == 1.
+        raise ValueError(
+            "Megatron's own context parallelism needs --transformer-impl transformer_engine (a GPU); "
+            "use --context-parallel-algo startrail with the local implementation"
+        )
+    if args.dataloader_inter_document_masking and args.context_parallel_algo == "megatron" \
+            and args.transformer_impl != "transformer_engine":
+        # The local DotProductAttention asserts packed_seq_params is None.
+        raise ValueError(
+            "--dataloader-inter-document-masking (packed documents, THD) needs --context-parallel-algo "
+            "startrail or --transformer-impl transformer_engine; with Megatron's local attention use "
+            "--reset-attention-mask --reset-position-ids (a dense per-document mask) instead"
+        )
+    if args.sft:
+        raise ValueError("--sft is not supported by this example; use Megatron-LM's pretrain_gpt.py (patches/)")
 
 
 def parse_arguments():
@@ -91,15 +139,13 @@ def parse_arguments():
         cpu_patches.adapt_args(args)
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
+    use_default_data(args)
+    if args.context_parallel_algo != "megatron" and not args.reset_attention_mask:
+        # StarTrail applies the causal (or per-document) mask itself: no [s, s] mask per sample.
+        args.create_attention_mask_in_dataloader = False
     validate_args(args, {})
     validate_startrail_args(args)
-    if args.context_parallel_algo == "megatron" and args.context_parallel_size > 1 \
-            and args.transformer_impl != "transformer_engine":
-        # Megatron's local DotProductAttention asserts CP == 1.
-        raise ValueError(
-            "Megatron's own context parallelism needs --transformer-impl transformer_engine (a GPU); "
-            "use --context-parallel-algo startrail with the local implementation"
-        )
+    validate_example_args(args)
     set_global_variables(args)
     return args
 
@@ -165,45 +211,114 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     )
 
 
-class ByteWindows(torch.utils.data.Dataset):
-    """``num_samples`` windows of ``seq_length + 1`` bytes of ``text`` at seeded offsets."""
-
-    def __init__(self, text: np.ndarray, num_samples: int, seq_length: int, seed: int):
-        if len(text) <= seq_length + 1:
-            raise ValueError(f"--text-file has {len(text)} bytes, fewer than --seq-length {seq_length} + 2")
-        rng = np.random.default_rng(seed)
-        self.text, self.seq_length = text, seq_length
-        self.starts = rng.integers(0, len(text) - seq_length - 1, size=num_samples)
-
-    def __len__(self):
-        return len(self.starts)
-
-    def __getitem__(self, i):
-        window = torch.from_numpy(self.text[self.starts[i] : self.starts[i] + self.seq_length + 1].astype(np.int64))
-        return {
-            "tokens": window[:-1],
-            "labels": window[1:],
-            "loss_mask": torch.ones(self.seq_length),
-            "position_ids": torch.arange(self.seq_length),
-        }
-
-
-def datasets_provider(num_samples):
-    """Train on the first 90% of the text, validate/test on the rest."""
+def is_dataset_built_on_rank(vp_stage=None):
+    """Megatron's rule: TP rank 0 of the stages that read data (with packed documents every
+    stage, because each needs the document boundaries)."""
     args = get_args()
-    with open(args.text_file, "rb") as f:
-        text = np.frombuffer(f.read(), dtype=np.uint8)
-    split = int(len(text) * (1 - VALID_FRACTION))
-    parts = (text[:split], text[split:], text[split:])
-    # No dataset (None) where Megatron asks for no samples (--eval-iters 0).
-    return tuple(
-        ByteWindows(part, n, args.seq_length, args.seed + i) if n else None
-        for i, (part, n) in enumerate(zip(parts, num_samples))
+    if parallel_state.get_tensor_model_parallel_rank() != 0:
+        return False
+    return args.dataloader_inter_document_masking or is_first_or_last_pipeline_stage(vp_stage)
+
+
+def gpt_dataset_config(args) -> GPTDatasetConfig:
+    """Megatron's GPTDatasetConfig from the parsed flags (--data-path, --split, --reset-*, ...)."""
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    return GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=args.split,
+        multiple_validation_sets=args.multiple_validation_sets,
+        full_validation=args.full_validation,
+        num_dataset_builder_threads=args.num_dataset_builder_threads,
+        path_to_cache=args.data_cache_path,
+        mmap_bin_files=args.mmap_bin_files,
+        tokenizer=get_tokenizer(),
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
+        mid_level_dataset_surplus=args.mid_level_dataset_surplus,
+        allow_ambiguous_pad_tokens=args.allow_ambiguous_pad_tokens,
+        context_parallel_size=args.context_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        sequence_parallel_size=args.tensor_model_parallel_size * args.sequence_parallel,
+        inter_document_masking=args.dataloader_inter_document_masking,
     )
 
 
-# Every rank reads its own (tiny, in-memory) copy: no broadcast from TP rank 0 needed.
+def datasets_provider(train_val_test_num_samples, vp_stage=None):
+    """Megatron's BlendedMegatronDatasetBuilder over GPTDataset (MockGPTDataset with --mock-data)."""
+    args = get_args()
+    dataset_type = MockGPTDataset if args.mock_data else GPTDataset
+    print_rank_0(f"> building train, validation, and test datasets ({dataset_type.__name__}) ...")
+    return BlendedMegatronDatasetBuilder(
+        dataset_type, train_val_test_num_samples,
+        functools.partial(is_dataset_built_on_rank, vp_stage=vp_stage), gpt_dataset_config(args),
+    ).build()
+
+
+# Megatron's datasets coordinate the ranks themselves (built on rank 0 first, then read).
 datasets_provider.is_distributed = True
+
+# What get_batch returns, in this order (the keys of Megatron's batch dict this example uses).
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask", "cu_seqlens", "max_seqlen")
+
+
+def get_batch(data_iterator, vp_stage=None):
+    """This rank's micro-batch, through Megatron's own steps: TP rank 0 reads and broadcasts
+    to its TP group (``get_batch_on_this_tp_rank``), packed samples are flattened
+    (``flatten_batch_for_packed_sequences``), then this CP rank keeps its zigzag chunks
+    (``get_batch_on_this_cp_rank``; with --dataloader-inter-document-masking the whole
+    packed sample is zigzagged and ``cu_seqlens`` stays global)."""
+    args = get_args()
+    packed = args.dataloader_inter_document_masking
+    if not is_first_or_last_pipeline_stage(vp_stage) and not packed:
+        return dict.fromkeys(BATCH_KEYS)  # a middle pipeline stage reads no data
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    batch = {}
+    if tp_rank == 0:
+        device = torch.device("cpu") if CPU_ONLY else torch.device("cuda", torch.cuda.current_device())
+        batch = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
+                 for k, v in next(data_iterator).items()}
+        batch.setdefault("attention_mask", None)
+        batch.setdefault("cu_seqlens_padded", None)
+    batch = get_batch_on_this_tp_rank(
+        batch,
+        has_cu_seqlens=packed,
+        is_hybrid_cp=False,
+        create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
+        broadcast_src_rank=parallel_state.get_tensor_model_parallel_src_rank(),
+        broadcast_group=parallel_state.get_tensor_model_parallel_group(),
+        cp_size=args.context_parallel_size,
+        tp_rank=tp_rank,
+        micro_batch_size=args.micro_batch_size,
+        seq_length=args.seq_length,
+        mtp_on_this_rank=False,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        is_pipeline_first_stage=parallel_state.is_pipeline_first_stage(),
+        is_pipeline_last_stage=parallel_state.is_pipeline_last_stage(),
+    )
+    batch = flatten_batch_for_packed_sequences(batch)  # [mbs, s] -> [1, mbs * s] when packed
+    batch = get_batch_on_this_cp_rank(
+        batch, is_hybrid_cp=False, cp_group=parallel_state.get_context_parallel_group(),
+        use_per_sequence_balancing=packed,
+    )
+    return {k: batch.get(k) for k in BATCH_KEYS}
+
+
+def packed_seq_params_of(batch) -> PackedSeqParams | None:
+    """PackedSeqParams (THD) for a batch with document boundaries, as Megatron's pretrain_gpt.py
+    builds them: ``cu_seqlens`` global over the packed sample, no padded layout."""
+    if batch["cu_seqlens"] is None:
+        return None
+    cu_seqlens = batch["cu_seqlens"].squeeze(0)  # [1, n_docs + 1] -> [n_docs + 1], int32
+    max_seqlen = int(batch["max_seqlen"].max().item())
+    return PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+        max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen,
+    )
 
 
 def loss_func(loss_mask, output_tensor):
@@ -216,11 +331,11 @@ def loss_func(loss_mask, output_tensor):
 
 
 def forward_step(data_iterator, model):
-    device = torch.device("cpu") if CPU_ONLY else torch.device("cuda", torch.cuda.current_device())
-    batch = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()}
-    # Megatron's CP layout: this CP rank keeps chunks r and 2*CP-1-r of every sequence.
-    batch = get_batch_on_this_cp_rank(batch, False, parallel_state.get_context_parallel_group())
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    batch = get_batch(data_iterator, get_attr_wrapped_model(model, "vp_stage"))
+    output = model(
+        batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"],
+        loss_mask=batch["loss_mask"], packed_seq_params=packed_seq_params_of(batch),
+    )
     return output, functools.partial(loss_func, batch["loss_mask"])
 
 

@@ -150,8 +150,9 @@ def validate_startrail_args(args) -> None:
         )
     if getattr(args, "reset_attention_mask", False):
         raise ValueError(
-            f"--reset-attention-mask (document masks) is not supported with --context-parallel-algo "
-            f"{algo}, which applies the causal mask itself"
+            f"--reset-attention-mask (a dense [s, s] document mask) is not supported with "
+            f"--context-parallel-algo {algo}: use --dataloader-inter-document-masking for document "
+            f"masking with context parallelism (documents reach attention as cu_seqlens)"
         )
     if args.startrail_team_size == AUTO:
         _auto_plan(args, heads, kv_heads)

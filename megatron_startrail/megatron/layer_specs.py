@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import copy
 
+from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from ..groups import StarTrailGroups
 from .core_attention import StarTrailCoreAttention
+from .packed_rope import PackedRopeSelfAttention
 
 
 class CallableModuleSpec(ModuleSpec):
@@ -30,20 +32,25 @@ def to_startrail_spec(spec, groups: StarTrailGroups, transfer: str = "ring", reg
 
     Accepts a transformer-layer ``ModuleSpec`` or a block spec with ``layer_specs``
     (what ``get_gpt_decoder_block_spec`` returns), with ``SelfAttention`` or Multi-Latent
-    Attention (``MLASelfAttention``). Everything else is unchanged.
+    Attention (``MLASelfAttention``). Megatron's ``SelfAttention`` becomes
+    :class:`PackedRopeSelfAttention` (RoPE of packed documents in the sample layout; the
+    same module otherwise). Everything else is unchanged.
     """
-    return with_core_attention(spec, startrail_core_attention(groups, transfer, regather_in_backward))
+    return with_core_attention(spec, startrail_core_attention(groups, transfer, regather_in_backward),
+                               {SelfAttention: PackedRopeSelfAttention})
 
 
-def with_core_attention(spec, core_attention):
+def with_core_attention(spec, core_attention, replace_attention: dict | None = None):
     """A copy of a layer or block ``spec`` whose self-attention's core attention is
-    ``core_attention`` (a module class or builder)."""
+    ``core_attention`` (a module class or builder), and whose self-attention module is
+    ``replace_attention[module]`` where listed."""
     spec = copy.copy(spec)
     if hasattr(spec, "layer_specs"):  # TransformerBlockSubmodules
-        spec.layer_specs = [with_core_attention(s, core_attention) for s in spec.layer_specs]
+        spec.layer_specs = [with_core_attention(s, core_attention, replace_attention) for s in spec.layer_specs]
         return spec
     submodules = copy.copy(spec.submodules)
     attention = copy.copy(submodules.self_attention)
+    attention.module = (replace_attention or {}).get(attention.module, attention.module)
     attention_submodules = copy.copy(attention.submodules)
     attention_submodules.core_attention = core_attention
     attention.submodules = attention_submodules

@@ -106,7 +106,7 @@ def test_memory_limit_turns_on_regathering_when_only_that_fits(monkeypatch):
          "--ulysses-degree-in-cp"),
         # what the StarTrail core attention cannot do
         (["--context-parallel-size", "4", "--attention-dropout", "0.1"], "--attention-dropout 0"),
-        (["--context-parallel-size", "4", "--reset-attention-mask"], "--reset-attention-mask"),
+        (["--context-parallel-size", "4", "--reset-attention-mask"], "--dataloader-inter-document-masking"),
         (["--context-parallel-size", "4", "--hierarchical-context-parallel-sizes", "2", "2"],
          "--ulysses-degree-in-cp U instead"),
     ],

@@ -73,7 +73,9 @@ def test_spec_helper_swaps_only_core_attention(make_spec):
     assert core.keywords == {"startrail_groups": groups, "transfer": "multiring"}
     assert attention_cores(spec) == [DotProductAttention]  # the original is untouched
     old_attn, new_attn = spec.submodules.self_attention, new.submodules.self_attention
-    assert new_attn.module is old_attn.module and new_attn.params == old_attn.params
+    assert new_attn.params == old_attn.params
+    # SelfAttention -> its subclass with sample-layout RoPE for packed documents (packed_rope.py)
+    assert old_attn.module.__name__ == "SelfAttention" and new_attn.module.__name__ == "PackedRopeSelfAttention"
     assert new_attn.submodules.linear_qkv is old_attn.submodules.linear_qkv
     assert new.submodules.mlp is spec.submodules.mlp
 

@@ -1,0 +1,98 @@
+"""RoPE for packed documents in Megatron's sample layout under context parallelism.
+
+With ``--dataloader-inter-document-masking`` Megatron zigzags the WHOLE packed sample
+(``get_batch_on_this_cp_rank(..., use_per_sequence_balancing=True)``: CP rank r holds
+chunks r and 2*CP-1-r of the sample, ``cu_seqlens`` stay global) and hands attention
+``PackedSeqParams(qkv_format="thd")`` without ``cu_seqlens_*_padded``. Megatron's THD RoPE
+(``rope_utils._apply_rotary_pos_emb_thd``) assumes the other, per-document layout: it cuts
+this rank's tokens into pieces of ``document length / CP`` and rotates each piece by the
+front/back chunk positions of its document. For the sample layout that is the wrong
+position for nearly every token (and a split error when a document length is not a
+multiple of CP). DESIGN.md section 6 describes the pitfall.
+
+:class:`PackedRopeSelfAttention` is Megatron's ``SelfAttention`` with one change: in the
+sample layout with CP > 1 it rotates query and key itself, every held token by its
+per-document position (the ``position_ids`` that ``GPTDataset`` writes: global index minus
+the start of its document), with the frequencies GPTModel computed, and gives Megatron's
+own RoPE nothing to do. Every other case (no packing, CP = 1, the per-document layout with
+``cu_seqlens_*_padded``, which Megatron rotates correctly) is Megatron's code unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.transformer.attention import SelfAttention
+
+
+def sample_layout_positions(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Per-document positions of the tokens CP rank ``cp_rank`` holds in the sample layout.
+
+    ``cu_seqlens``: int32 ``[n_docs + 1]``, global, ``cu_seqlens[-1] = S`` (a multiple of
+    2*CP). Returns int64 ``[S / CP]``: chunk ``cp_rank`` then chunk ``2*CP-1-cp_rank``.
+    E.g. cu_seqlens [0, 3, 8], CP 2, rank 0 holds tokens [0, 1, 6, 7] -> positions [0, 1, 3, 4].
+    """
+    cu_seqlens = cu_seqlens.to(torch.int64)
+    total = int(cu_seqlens[-1])
+    if total % (2 * cp_size) != 0:
+        raise ValueError(
+            f"packed sample of {total} tokens is not divisible by 2 * --context-parallel-size = {2 * cp_size}"
+        )
+    chunk = total // (2 * cp_size)
+    device = cu_seqlens.device
+    held = torch.cat([
+        torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device),
+        torch.arange((2 * cp_size - 1 - cp_rank) * chunk, (2 * cp_size - cp_rank) * chunk, device=device),
+    ])
+    document = torch.searchsorted(cu_seqlens[1:], held, right=True)  # index of the document holding each token
+    return held - cu_seqlens[document]
+
+
+def is_sample_layout(packed_seq_params) -> bool:
+    """THD packed documents with the whole sample zigzagged (no padded per-document spans)."""
+    return (
+        packed_seq_params is not None
+        and packed_seq_params.qkv_format == "thd"
+        and packed_seq_params.cu_seqlens_q_padded is None
+        and packed_seq_params.cu_seqlens_kv_padded is None
+    )
+
+
+class PackedRopeSelfAttention(SelfAttention):
+    """Megatron's SelfAttention, with RoPE by per-document position in the packed sample layout."""
+
+    _sample_layout_freqs = None  # (q freqs, k freqs) [s/CP, 1, 1, d], set only inside forward
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        rotary_pos_emb = kwargs.get("rotary_pos_emb")
+        packed_seq_params = kwargs.get("packed_seq_params")
+        cp_group = self.pg_collection.cp
+        if rotary_pos_emb is None or not is_sample_layout(packed_seq_params) or cp_group.size() == 1:
+            return super().forward(hidden_states, attention_mask, **kwargs)
+        if not isinstance(rotary_pos_emb, tuple):
+            rotary_pos_emb = (rotary_pos_emb, rotary_pos_emb)
+        positions_q = sample_layout_positions(packed_seq_params.cu_seqlens_q, cp_group.size(), cp_group.rank())
+        positions_kv = sample_layout_positions(packed_seq_params.cu_seqlens_kv, cp_group.size(), cp_group.rank())
+        # GPTModel gives the table of positions 0..max_seqlen-1, [max_seqlen, 1, 1, d]
+        # (not cut for CP when packed); pick the row of every held token: [s/CP, 1, 1, d].
+        self._sample_layout_freqs = (rotary_pos_emb[0][positions_q], rotary_pos_emb[1][positions_kv])
+        try:
+            return super().forward(hidden_states, attention_mask, **{**kwargs, "rotary_pos_emb": None})
+        finally:
+            self._sample_layout_freqs = None
+
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True):
+        qkv = super().get_query_key_value_tensors(
+            hidden_states, key_value_states, output_gate=output_gate, split_qkv=split_qkv
+        )
+        if self._sample_layout_freqs is None:
+            return qkv
+        if not split_qkv:
+            raise ValueError("packed documents with CP need split Q/K/V for RoPE: drop --fused-single-qkv-rope")
+        q_freqs, k_freqs = self._sample_layout_freqs
+        mscale = getattr(self, "_yarn_concentration_factor", 1.0)
+        # query [s/CP, b, np, hn], key [s/CP, b, ng, hn] (b = 1 when packed): rotated as plain sequences.
+        cp_group = self.pg_collection.cp
+        query = apply_rotary_pos_emb(qkv[0], q_freqs, config=self.config, mscale=mscale, cp_group=cp_group)
+        key = apply_rotary_pos_emb(qkv[1], k_freqs, config=self.config, mscale=mscale, cp_group=cp_group)
+        return (query, key, *qkv[2:])
