@@ -17,7 +17,10 @@ in the same order and keeps the ones that contain it (like Megatron's
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass, field
+
+import torch
 
 import torch.distributed as dist
 
@@ -88,6 +91,18 @@ class StarTrailGroups:
         )
 
 
+def default_group_timeout() -> datetime.timedelta | None:
+    """The default process group's timeout (what ``init_process_group`` was given), or None
+    (torch's default for new groups) where the backend does not expose it."""
+    world = dist.group.WORLD
+    for device in (torch.device("cpu"), torch.device("cuda")):
+        try:
+            return world._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+    return None
+
+
 def new_startrail_groups(
     cp_ranks: list[list[int]] | None = None,
     *,
@@ -95,6 +110,7 @@ def new_startrail_groups(
     ulysses_size: int = 1,
     backward_rotation: str = "auto",
     kernel: str = "auto",
+    timeout: datetime.timedelta | None = None,
 ) -> StarTrailGroups:
     """Create the StarTrail groups of every CP group; collective on every rank.
 
@@ -102,6 +118,11 @@ def new_startrail_groups(
     means one CP group made of all ranks of the default process group. All validation
     happens before the first ``new_group`` call, so a bad setting raises on every rank
     instead of leaving some ranks waiting.
+
+    ``timeout`` bounds every collective and P2P on these groups (a dead or stuck peer makes
+    the others raise after it); ``None`` takes the default process group's timeout, i.e.
+    Megatron's ``--distributed-timeout-minutes``, where torch would give a new group its
+    own 30-minute default.
     """
     if not dist.is_initialized():
         raise RuntimeError("new_startrail_groups needs torch.distributed to be initialized")
@@ -121,11 +142,13 @@ def new_startrail_groups(
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r} (--startrail-kernel) is not one of {KERNELS}")
     plans = [plan_cp_group(g, team_size, ulysses_size) for g in cp_ranks]
+    if timeout is None:
+        timeout = default_group_timeout()
 
     def create(rank_lists: list[list[int]]) -> object | None:
         mine = None
         for ranks in rank_lists:
-            pg = dist.new_group(ranks)
+            pg = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 mine = pg
         return mine

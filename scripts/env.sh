@@ -6,7 +6,8 @@
 #   torch==2.13.0          the CPU build pip finds locally (any other pin downloads a CUDA build)
 #   megatron-core==0.19.2  its wheel says Python>=3.12 but runs on 3.11; installed with
 #                          --no-deps so pip does not try a numpy source build, plus the
-#                          light dependencies it really needs.
+#                          light dependencies it really needs (psutil: Megatron's
+#                          checkpoint writer).
 # Transformer Engine / flash-attn / apex are GPU-only extras and are never installed here.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -22,9 +23,11 @@ if [ ! -f "$STAMP" ]; then
   "$VENV/bin/pip" install -q "torch==2.13.0"
   "$VENV/bin/pip" install -q --no-deps --ignore-requires-python "megatron-core==0.19.2"
   "$VENV/bin/pip" install -q numpy "packaging>=24.2" einops typing_extensions \
-      pytest pytest-timeout matplotlib
+      pytest pytest-timeout matplotlib psutil
   "$VENV/bin/pip" install -q --no-deps -e "$ROOT"
   touch "$STAMP"
 fi
+# Megatron's torch_dist checkpoint writer (--save) needs psutil; venvs made before it was listed lack it.
+"$VENV/bin/python" -c "import psutil" 2>/dev/null || "$VENV/bin/pip" install -q psutil
 # shellcheck disable=SC1091
 source "$VENV/bin/activate"

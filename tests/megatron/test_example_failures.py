@@ -1,0 +1,130 @@
+"""examples/pretrain_gpt.py under bad flags and a dying rank.
+
+- A misconfiguration reachable from Megatron flags raises the same ValueError, naming the flag,
+  on every rank before torch.distributed is even initialized (so no rank can be left waiting).
+- A rank killed in the middle of a training step makes every other rank exit with an error
+  within --distributed-timeout-minutes (gloo notices the closed connections at once).
+
+Ranks are forked from the test process (which imported Megatron) without a process group:
+the example initializes it itself from RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import multiprocessing as mp
+import os
+import signal
+import socket
+import time
+
+import pytest
+import torch.distributed as dist
+
+from tests.megatron.utils import cpu_patches  # noqa: F401  (import shims before megatron.training)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_spec = importlib.util.spec_from_file_location("pretrain_gpt", os.path.join(ROOT, "examples", "pretrain_gpt.py"))
+pretrain_gpt = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(pretrain_gpt)  # imported here so that forked ranks inherit it
+
+COMMON = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
+    "--seq-length", "256", "--micro-batch-size", "1", "--global-batch-size", "2",
+    "--lr", "3e-3", "--seed", "1234", "--log-interval", "1",
+    "--context-parallel-size", "4", "--context-parallel-algo", "startrail",
+]
+
+
+def _example_rank(rank, world, argv, env, victim_step, conn):
+    """Run the example as rank ``rank``; report how it ended and when."""
+    os.environ.update(env, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world))
+    if victim_step is not None:  # this rank dies (SIGKILL) inside its victim_step-th forward step
+        calls = {"n": 0}
+        forward_step = pretrain_gpt.forward_step
+
+        def dying_forward_step(data_iterator, model):
+            calls["n"] += 1
+            if calls["n"] == victim_step:
+                conn.send(("killed", "", True, time.monotonic()))  # the time of death, for the parent
+                os.kill(os.getpid(), signal.SIGKILL)
+            return forward_step(data_iterator, model)
+
+        pretrain_gpt.forward_step = dying_forward_step
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            pretrain_gpt.main(argv)
+        outcome = ("finished", "")
+    except BaseException as e:  # noqa: BLE001 - the outcome under test
+        outcome = (type(e).__name__, str(e))
+    conn.send((*outcome, dist.is_initialized(), time.monotonic()))
+    conn.close()
+    os._exit(0)
+
+
+def run_example(world, argv, env=None, victim=None, victim_step=None, timeout=120.0):
+    """Fork ``world`` ranks of the example; return {rank: (kind, message, pg_initialized, end_time)}
+    for every rank that reported within ``timeout`` (the victim reports "killed" as it dies)."""
+    ctx = mp.get_context("fork")
+    procs, conns = [], []
+    for rank in range(world):
+        parent, child = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_example_rank, daemon=True,
+                        args=(rank, world, argv, env or {}, victim_step if rank == victim else None, child))
+        p.start()
+        child.close()
+        procs.append(p)
+        conns.append(parent)
+    deadline, reports = time.monotonic() + timeout, {}
+    try:
+        for rank in range(world):
+            if conns[rank].poll(max(deadline - time.monotonic(), 0)):
+                reports[rank] = conns[rank].recv()
+    finally:
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+            p.join()
+    return reports, procs
+
+
+@pytest.mark.parametrize("flags, error, message", [
+    (["--startrail-team-size", "4"], "ValueError", "--startrail-team-size 4 does not fit a StarTrail group of"),
+    (["--ulysses-degree-in-cp", "3"], "ValueError", "--ulysses-degree-in-cp 3 must divide --context-parallel-size 4"),
+    (["--ulysses-degree-in-cp", "4", "--num-attention-heads", "6", "--hidden-size", "48"], "ValueError",
+     "--ulysses-degree-in-cp 4 must divide the attention heads of a tensor-parallel rank: --num-attention-heads 6"),
+    # Megatron's own validate_args catches this one first, with its own message.
+    (["--seq-length", "252"], "AssertionError", "seq-length should be a multiple of 2 * context-parallel-size"),
+], ids=["team-size", "ulysses-cp", "ulysses-heads", "seq-length"])
+def test_bad_flags_fail_on_every_rank_before_any_communication(flags, error, message):
+    # CP 4 on 4 ranks. No MASTER_ADDR: a rank that got as far as init_process_group would fail
+    # differently, and none has a process group when it raises.
+    reports, _ = run_example(4, [*COMMON, "--train-iters", "2", *flags], timeout=90)
+    assert sorted(reports) == list(range(4)), reports
+    assert {r[:3] for r in reports.values()} == {(error, reports[0][1], False)}, reports
+    assert message in reports[0][1], reports[0][1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_killed_rank_makes_every_other_rank_fail_within_the_timeout():
+    timeout_minutes = 1
+    argv = [*COMMON, "--tensor-model-parallel-size", "2", "--startrail-team-size", "2", "--train-iters", "50",
+            "--distributed-timeout-minutes", str(timeout_minutes)]
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    victim = 5
+    # Rank 5 dies in the forward of its second step (each step has 2 microbatches: 3rd call).
+    reports, procs = run_example(8, argv, env, victim=victim, victim_step=3, timeout=240)
+    assert procs[victim].exitcode == -signal.SIGKILL
+    assert sorted(reports) == list(range(8)), reports
+    killed_at = reports.pop(victim)[3]
+    for rank, (kind, message, initialized, end) in reports.items():
+        assert initialized and kind not in ("finished", "killed"), (rank, kind, message)
+        assert end - killed_at <= 60 * timeout_minutes, (rank, kind, message, end - killed_at)

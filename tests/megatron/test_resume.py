@@ -1,0 +1,112 @@
+"""Checkpoint and resume through examples/pretrain_gpt.py with Megatron's own --save/--load
+(torch_dist format): a run interrupted at iteration K continues with the losses of the
+uninterrupted run, in the same layout (identical log lines) and in other CP layouts
+(TP2 x CP4 StarTrail C=2 -> TP2 x CP2 ring, -> TP2 x CP1; within 1e-4 relative).
+
+Only the example's defaults and Megatron's standard flags are used, so the test does not
+depend on the example's data pipeline.
+"""
+
+import contextlib
+import importlib.util
+import io
+import os
+import queue
+import re
+
+import pytest
+
+from tests.megatron.utils import cpu_patches  # noqa: F401  (import shims before megatron.training)
+from tests.multiproc import run_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_spec = importlib.util.spec_from_file_location("pretrain_gpt", os.path.join(ROOT, "examples", "pretrain_gpt.py"))
+pretrain_gpt = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(pretrain_gpt)  # imported here so that forked ranks inherit it
+
+ITERS, INTERRUPT_AT = 6, 3
+COMMON = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
+    "--seq-length", "256", "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", str(ITERS),
+    "--lr", "3e-3", "--lr-warmup-iters", "1", "--seed", "1234", "--log-interval", "1",
+    "--tensor-model-parallel-size", "2", "--distributed-timeout-minutes", "2",
+]
+STARTRAIL_CP4 = ["--context-parallel-size", "4", "--context-parallel-algo", "startrail", "--startrail-team-size", "2"]
+RING_CP2 = ["--context-parallel-size", "2", "--context-parallel-algo", "startrail", "--startrail-team-size", "1"]
+NO_CP = ["--context-parallel-size", "1"]
+# Megatron's training_log line: iteration, lm loss, grad norm (as printed).
+LOG_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.* lm loss: ([0-9.E+-]+) \|.* grad norm: ([0-9.]+) \|")
+
+
+def resume_worker(rank, world_size, argv):
+    """One rank of the example; returns the (iteration, lm loss, grad norm) strings it logged."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    # torch_dist saving collects its writer threads' results in a queue that Megatron creates
+    # through a spawned multiprocessing Manager; a forked test rank is a daemon process and may
+    # not start one. The save runs synchronously in this process (threads only), so a plain
+    # queue does the same job. (Under torchrun the Manager works as is.)
+    from megatron.core.dist_checkpointing.strategies import filesystem_async  # noqa: PLC0415
+
+    filesystem_async._results_queue = queue.Queue()
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            pretrain_gpt.main(argv)
+    except SystemExit as e:  # --exit-interval ends the run with sys.exit(0) after saving
+        if e.code not in (0, None):
+            raise
+    return [m.groups() for m in LOG_LINE.finditer(out.getvalue())]
+
+
+def run(world_size, *flags):
+    logged = run_ranks(resume_worker, world_size, args=([*COMMON, *flags],), timeout=240)
+    return {int(i): (loss, norm) for i, loss, norm in logged[-1]}  # megatron.training logs on the last rank
+
+
+@pytest.fixture(scope="module")
+def startrail_runs(tmp_path_factory):
+    """The uninterrupted TP2 x CP4 StarTrail run, and the same run stopped at INTERRUPT_AT with a checkpoint."""
+    ckpt = str(tmp_path_factory.mktemp("ckpt"))
+    full = run(8, *STARTRAIL_CP4)
+    first = run(8, *STARTRAIL_CP4, "--save", ckpt, "--save-interval", str(INTERRUPT_AT),
+                "--exit-interval", str(INTERRUPT_AT))
+    assert sorted(full) == list(range(1, ITERS + 1)) and sorted(first) == list(range(1, INTERRUPT_AT + 1))
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as f:
+        assert f.read().strip() == str(INTERRUPT_AT)
+    return full, first, ckpt
+
+
+def check_continues(full, resumed, rel_tol):
+    """``resumed`` logs iterations K+1..N with the losses and grad norms of ``full``.
+
+    Megatron's first log line after a (re)start does not reset its running loss sum, so the
+    line at K+2 reports the mean of iterations K+1 and K+2 (in a fresh run, likewise line 2
+    is the mean of 1 and 2): compare that line with the mean of the uninterrupted run's two.
+    """
+    k = INTERRUPT_AT
+    assert sorted(resumed) == list(range(k + 1, ITERS + 1)), resumed
+    want = {i: float(full[i][0]) for i in resumed}
+    want[k + 2] = (want[k + 1] + want[k + 2]) / 2
+    for i, (loss, norm) in resumed.items():
+        got = float(loss)
+        assert abs(got - want[i]) <= max(rel_tol, 1e-6) * want[i], (i, resumed, full)  # 1e-6: 7 printed digits
+        assert abs(float(norm) - float(full[i][1])) <= max(rel_tol * float(full[i][1]), 1e-3), (i, resumed, full)
+
+
+def test_interrupted_run_resumes_with_identical_losses(startrail_runs):
+    full, first, ckpt = startrail_runs
+    assert all(first[i] == full[i] for i in first)  # the same run up to the interruption
+    resumed = run(8, *STARTRAIL_CP4, "--load", ckpt)
+    # Every line but K+2 (see check_continues) is the uninterrupted run's, character for character.
+    assert {i: v for i, v in resumed.items() if i != INTERRUPT_AT + 2} == {
+        i: full[i] for i in resumed if i != INTERRUPT_AT + 2
+    }, (resumed, full)
+    check_continues(full, resumed, rel_tol=0.0)
+
+
+@pytest.mark.parametrize("world_size, layout", [(4, RING_CP2), (2, NO_CP)], ids=["TP2xCP2-ring", "TP2xCP1"])
+def test_startrail_checkpoint_resumes_in_another_cp_layout(startrail_runs, world_size, layout):
+    full, _, ckpt = startrail_runs
+    resumed = run(world_size, *layout, "--load", ckpt)
+    check_continues(full, resumed, rel_tol=1e-4)
