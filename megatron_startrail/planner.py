@@ -316,7 +316,11 @@ def main() -> None:
     limit = None if args.memory_limit_gb is None else int(args.memory_limit_gb * 1e9)
     print(f"{'configuration':36} {'time ms':>9} {'compute ms':>11} {'exposed comm ms':>16} "
           f"{'inter-node MiB/node':>20} {'kept for bwd GB/rank':>21}")
-    for pred in plan(cluster, work, args.cp_size, memory_limit_bytes=limit):
+    preds = plan(cluster, work, args.cp_size, memory_limit_bytes=limit)
+    if not preds:
+        print(f"no configuration keeps the attention's activations of {args.num_layers} layers within "
+              f"--memory-limit-gb {args.memory_limit_gb:g} per rank")
+    for pred in preds:
         print(f"{pred.name:36} {pred.time_s * 1e3:9.2f} {pred.compute_s * 1e3:11.2f} "
               f"{pred.exposed_comm_s * 1e3:16.2f} {pred.internode_bytes / 2**20:20.1f} "
               f"{pred.activation_bytes / 1e9:21.3f}")
