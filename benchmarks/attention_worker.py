@@ -4,7 +4,10 @@ First measures the planner's inputs on this cluster (benchmarks/calibration.py).
 runs forward+backward of each configuration -- ``startrail_attn`` or PyTorch's ring
 attention (benchmarks/torch_cp_peer.py) -- times it, records per rank where the time of
 each iteration went (a :class:`~megatron_startrail.timeline.Timeline`: blocked in which
-communication, the rest compute), and reads two byte counts of what crossed node boundaries during the timed iterations:
+communication, the rest compute), measures the bytes kept for backward (saved tensors,
+the inputs q, k, v excluded) and, in one extra untimed iteration, the peak of live
+tensor bytes (``benchmarks/memory.py``), and reads two byte counts of what crossed node
+boundaries during the timed iterations:
 the project's own accounting (P2P bytes to ranks of other nodes) and the kernel's
 counters of the node's inter-node interfaces (read by the first rank of each node from
 /sys/class/net inside its namespace). Rank 0 writes the results as JSON.
@@ -27,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.calibration import measure_cluster
+from benchmarks.memory import peak_live_bytes, saved_bytes
 from benchmarks.torch_cp_peer import torch_ring_attn
 from megatron_startrail import new_startrail_groups, startrail_attn
 from megatron_startrail.timeline import Timeline
@@ -39,23 +43,6 @@ def node_tx_bytes(links: list[str]) -> int:
         with open(f"/sys/class/net/{dev}/statistics/tx_bytes") as f:
             total += int(f.read())
     return total
-
-
-def saved_bytes(fn) -> tuple[object, int]:
-    """Run ``fn`` and count the bytes autograd keeps for backward (distinct storages)."""
-    seen, total = set(), 0
-
-    def pack(t):
-        nonlocal total
-        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-        if key not in seen:
-            seen.add(key)
-            total += key[1]
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, total
 
 
 def main() -> None:
@@ -89,16 +76,17 @@ def main() -> None:
                 return torch_ring_attn(q, k, v, dist.group.WORLD, causal=w["causal"],
                                        rotate_method=config["rotate_method"])
             return startrail_attn(q, k, v, groups, causal=w["causal"], transfer=config.get("transfer", "ring"),
-                                  timeline=timeline)
+                                  regather_in_backward=config.get("regather", False), timeline=timeline)
 
         def step():
             q, k, v = (t.clone().requires_grad_(True) for t in (q0, k0, v0))
-            out, kept = saved_bytes(lambda: attention(q, k, v))
+            out, kept = saved_bytes(lambda: attention(q, k, v), exclude=(q, k, v))
             out.backward(dout)
             return kept
 
         for _ in range(spec["warmup"]):
             step()
+        _, peak = peak_live_bytes(step, q0.device)  # untimed: the profiler slows it down
         dist.barrier()
         tx0 = node_tx_bytes(links) if rank % per_node == 0 else 0
         times, kept, phases, spans = [], 0, [], []
@@ -121,6 +109,7 @@ def main() -> None:
             "saved_for_backward_bytes": kept,
             "phase_seconds": phases[median_iter],
             "spans": spans[median_iter],
+            "peak_live_bytes": peak,
         }
         if not torch_peer:  # the project's own counters (PyTorch's ring has none)
             fwd, bwd = groups.last_forward_stats, groups.last_backward_stats
@@ -143,6 +132,7 @@ def main() -> None:
                 "time_ms": [1000 * t for t in times],
                 "internode_bytes_kernel": sum(g["internode_bytes_kernel"] for g in gathered),
                 "saved_for_backward_bytes_max": max(g["saved_for_backward_bytes"] for g in gathered),
+                "peak_live_bytes_max": max(g["peak_live_bytes"] for g in gathered),
                 "phase_seconds_per_rank": [g["phase_seconds"] for g in gathered],
                 "spans_per_rank": [g["spans"] for g in gathered],
                 "calibration": calibration,

@@ -58,7 +58,8 @@ def predictions(args, rate_mbit: float, configs: list[dict], calibration: dict) 
         if c["impl"] == "torch":
             out[c["name"]] = 1000 * predict_torch_ring(cluster, work, world, c["rotate_method"])
         else:
-            out[c["name"]] = 1000 * predict(cluster, work, world, c["team_size"], c["ulysses"], c["transfer"]).time_s
+            out[c["name"]] = 1000 * predict(cluster, work, world, c["team_size"], c["ulysses"], c["transfer"],
+                                            c["regather"]).time_s
     return out
 
 
@@ -74,12 +75,16 @@ def ranking_report(results: list[dict]) -> str:
 
 
 def parse_config(name: str) -> dict:
-    """``ring`` | ``startrail-C`` | ``tasp`` | ``ulysses-Ux<ring|startrail-C>`` | ``startrail-C-multiring``
-    | ``torch-cp`` (PyTorch's ring attention, its default all-gather rotation) | ``torch-cp-alltoall``."""
+    """``ring`` | ``startrail-C`` | ``tasp`` | ``ulysses-Ux<ring|startrail-C>`` | ``startrail-C-multiring``,
+    each optionally followed by ``-regather`` (``regather_in_backward=True``); ``torch-cp`` (PyTorch's ring
+    attention, its default all-gather rotation) | ``torch-cp-alltoall``."""
     if name in ("torch-cp", "torch-cp-alltoall"):
         return {"name": name, "impl": "torch", "rotate_method": "alltoall" if name.endswith("alltoall") else "allgather",
-                "team_size": 1, "ulysses": 1, "transfer": "ring"}
-    config = {"name": name, "impl": "startrail", "team_size": 1, "ulysses": 1, "transfer": "ring"}
+                "team_size": 1, "ulysses": 1, "transfer": "ring", "regather": False}
+    config = {"name": name, "impl": "startrail", "team_size": 1, "ulysses": 1, "transfer": "ring", "regather": False}
+    if name.endswith("-regather"):
+        config["regather"] = True
+        name = name[: -len("-regather")]
     parts = name.split("x")
     if parts[0].startswith("ulysses-"):
         config["ulysses"] = int(parts[0].split("-")[1])
@@ -129,8 +134,8 @@ def table(results: list[dict]) -> str:
     its default rotation) at the same rate, when it ran."""
     head = ("| link Mbit/s | configuration | time/iter ms | speed-up over torch-cp | predicted ms | predicted / measured "
             "| P2P MiB/rank | collective MiB/rank | inter-node MiB (accounting) | inter-node MiB (kernel) "
-            "| steps fwd/bwd | kept for bwd MiB/rank |")
-    lines = [head, "|" + "---|" * 12]
+            "| steps fwd/bwd | kept for bwd MiB/rank | peak live MiB/rank |")
+    lines = [head, "|" + "---|" * 13]
     mib = 2.0**20
 
     def num(r, key, scale=mib):
@@ -144,7 +149,8 @@ def table(results: list[dict]) -> str:
             f"| {r['rate_mbit']:g} | {r['name']} | {r['time_ms_median']:.0f} | {speedup} | {r['predicted_ms']:.0f} | "
             f"{r['predicted_ms'] / r['time_ms_median']:.2f} | {num(r, 'p2p_bytes_sent_max')} | "
             f"{num(r, 'collective_bytes_sent_max')} | {num(r, 'internode_bytes_accounting')} | "
-            f"{num(r, 'internode_bytes_kernel')} | {steps} | {num(r, 'saved_for_backward_bytes_max')} |"
+            f"{num(r, 'internode_bytes_kernel')} | {steps} | {num(r, 'saved_for_backward_bytes_max')} | "
+            f"{num(r, 'peak_live_bytes_max')} |"
         )
     return "\n".join(lines)
 
@@ -156,7 +162,7 @@ def plot(results: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     rates = sorted({r["rate_mbit"] for r in results})
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
     names = list(dict.fromkeys(r["name"] for r in results))
     width = 0.8 / len(names)
     for i, name in enumerate(names):
@@ -165,6 +171,16 @@ def plot(results: list[dict], path: str) -> None:
         axes[0].bar(xs, [rows[x]["time_ms_median"] if x in rows else 0 for x in rates], width, label=name)
         axes[1].bar(xs, [rows[x]["internode_bytes_kernel"] / 2**20 if x in rows else 0 for x in rates], width,
                     label=name)
+    for i, name in enumerate(names):  # memory against time, one point per configuration and link rate
+        rows = [r for r in results if r["name"] == name]
+        axes[2].scatter([r["time_ms_median"] for r in rows], [r["peak_live_bytes_max"] / 2**20 for r in rows],
+                        label=name, color=f"C{i}")
+        axes[2].scatter([r["time_ms_median"] for r in rows], [r["saved_for_backward_bytes_max"] / 2**20 for r in rows],
+                        marker="x", color=f"C{i}")
+    axes[2].set_xlabel("time per forward+backward (ms, median)")
+    axes[2].set_ylabel("MiB per rank (max over ranks)")
+    axes[2].set_title("peak live tensors (o) and kept for backward (x)")
+    axes[2].grid(alpha=0.3)
     for ax, title in zip(axes, ("time per forward+backward (ms, median)", "bytes across nodes per iteration (MiB)")):
         ax.set_xticks([k + 0.4 - width / 2 for k in range(len(rates))])
         ax.set_xticklabels([f"{x:g} Mbit/s" for x in rates])

@@ -77,7 +77,8 @@ from megatron.training.global_vars import set_global_variables  # noqa: E402
 from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage  # noqa: E402
 
 from megatron_startrail.megatron.arguments import add_startrail_args, validate_startrail_args  # noqa: E402
-from megatron_startrail.megatron.layer_specs import to_startrail_spec  # noqa: E402
+from megatron_startrail.megatron.core_attention import LocalMLACoreAttention  # noqa: E402
+from megatron_startrail.megatron.layer_specs import to_startrail_spec, with_core_attention  # noqa: E402
 from megatron_startrail.megatron.parallel_state import initialize_startrail  # noqa: E402
 from megatron_startrail.megatron.training_log import log_tokens_per_second  # noqa: E402
 
@@ -189,12 +190,17 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     """GPTModel with Megatron's layer spec, its core attention swapped for StarTrail's."""
     args = get_args()
     config = config or core_transformer_config_from_args(args)
+    mla = args.multi_latent_attention  # MLASelfAttention: core attention gets k_channels != v_channels
     if args.transformer_impl == "transformer_engine":
-        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm, multi_latent_attention=mla)
     else:
-        spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
+        spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization,
+                                        multi_latent_attention=mla)
     if startrail_groups is not None:
-        spec = to_startrail_spec(spec, startrail_groups, transfer=args.startrail_transfer)
+        spec = to_startrail_spec(spec, startrail_groups, transfer=args.startrail_transfer,
+                                 regather_in_backward=args.startrail_regather_in_backward)
+    elif mla and args.transformer_impl == "local":  # Megatron's local core attention takes no MLA head dims
+        spec = with_core_attention(spec, LocalMLACoreAttention)
     return GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings, pre_process=pre_process, post_process=post_process,

@@ -6,29 +6,40 @@ and the planner prices them. Conventions are those of :mod:`megatron_startrail.c
 (collectives count the logical volume of a bandwidth-optimal algorithm).
 
 Per StarTrail rank, after the Ulysses all-to-all, with ``e`` the input's element size,
-``a`` the accumulator's (4, or 8 for float64 inputs), ``Eq``/``Ekv`` the elements of
-this rank's Q and of its K (= V), ``El`` its lse elements (``s * b * heads``), ``G``
-the sub-ring length and ``init`` = 1 unless the initial send maps the rank to itself:
+``a`` the accumulator's (4, or 8 for float64 inputs), ``Eq``/``Ekv``/``Eo``/``El`` the
+elements of this rank's Q, of its K and V together (``hkv (dqk + dv)`` per token: V
+keeps its own head dim ``dv``, MLA), of its output (``h dv`` per token) and of its lse
+(``s * b * heads``), ``G`` the sub-ring length and ``init`` = 1 unless the initial send
+maps the rank to itself:
 
 forward
-    collective  (C-1) (Eq + 2 Ekv) e        team all-gather of Q, K, V     [paper eq. 2:
-              + (C-1) Eq e                   team merge of partial outputs   4(C-1)BNH/P]
+    collective  (C-1) (Eq + Ekv) e          team all-gather of Q, K, V     [paper eq. 2:
+              + (C-1) Eo e                   team merge of partial outputs   4(C-1)BNH/P]
               + (C-1) El a                   ... and of their lse
-    p2p sent    (init + G - 1) 2 C Ekv e     initial send + sub-ring        [paper eq. 3
+    p2p sent    (init + G - 1) C Ekv e       initial send + sub-ring        [paper eq. 3
     steps       init + G - 1                                                  omits init]
 backward, rotation "q" (paper 3.2.1: K, V fixed; Q, dO, out, lse and dQ circulate)
-    p2p sent    (G-1) C (3 Eq e + El a) + [G>1] G C Eq a + init 2 C Ekv a
+    p2p sent    (G-1) C ((Eq + 2 Eo) e + El a) + [G>1] G C Eq a + init C Ekv a
 backward, rotation "kv" (K, V and dK, dV circulate; cheaper with GQA)
-    p2p sent    (G-1) 2 C Ekv e + [G>1] G 2 C Ekv a + init 2 C Ekv a
-    collective  (C-1) (2 Eq e + El a)       all-gather dO, out, lse
-              + (C-1) (Eq + 2 Ekv) a         reduce-scatter dQ, dK, dV (float32)
+    p2p sent    (G-1) C Ekv e + [G>1] G C Ekv a + init C Ekv a
+    collective  (C-1) (2 Eo e + El a)       all-gather dO, out, lse
+              + (C-1) (Eq + Ekv) a           reduce-scatter dQ, dK, dV (float32)
     steps       [G>1] G + init              (the gradient accumulator's chain)
+backward with regathering (``regather_in_backward``) adds the forward's phases 1-2:
+    collective  (C-1) (Eq + Ekv) e           team all-gather of Q, K, V (inside a node)
+    p2p sent    init C Ekv e                 initial send (may cross nodes)
+    steps       init
 Ulysses (U > 1) adds (U-1)/U of the all-to-all'd Q, K, V and output bytes each way.
+
+Kept for backward by the attention (:func:`kept_for_backward_bytes`), per rank:
+``(C Eq + C Ekv) e + Eo e + El a``, or with regathering ``(Eq + Ekv + Eo) e + El a``
+(ring attention's: its own q, k, v, out, lse).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .topology import StarTrailTopology
 
@@ -41,12 +52,17 @@ class AttentionShape:
     batch: int
     heads: int  # query heads on this rank (after tensor parallelism)
     kv_heads: int
-    head_dim: int
+    head_dim: int  # of q and k
     dtype_bytes: int  # 2 for bf16/fp16, 4 for fp32, 8 for fp64
+    v_head_dim: int | None = None  # of v and the output; None: head_dim (MLA: its own)
 
     @property
     def acc_bytes(self) -> int:
         return 8 if self.dtype_bytes == 8 else 4
+
+    @property
+    def v_dim(self) -> int:
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
 
 
 def ulysses_kv_heads(kv_heads: int, ulysses_size: int) -> int:
@@ -56,21 +72,38 @@ def ulysses_kv_heads(kv_heads: int, ulysses_size: int) -> int:
     return kv_heads
 
 
-def startrail_rank_elements(shape: AttentionShape, ulysses_size: int) -> tuple[int, int, int]:
-    """Elements of one StarTrail rank's Q, K (= V) and lse after the Ulysses all-to-all:
+class RankElements(NamedTuple):
+    """Elements of one StarTrail rank's tensors, after the Ulysses all-to-all."""
+
+    q: int  # q (and dq)            [s, b, h, dqk]
+    kv: int  # k and v together      [s, b, hkv, dqk + dv]
+    out: int  # out (and dout)       [s, b, h, dv]
+    lse: int  # lse                  [s, b, h]
+
+
+def startrail_rank_elements(shape: AttentionShape, ulysses_size: int) -> RankElements:
+    """Elements of one StarTrail rank's tensors after the Ulysses all-to-all:
     ``U * seq_local`` tokens, ``heads / U`` query heads, K/V heads replicated up to U."""
     u = ulysses_size
-    s = shape.seq_local * u
+    tokens = shape.seq_local * u * shape.batch
     heads, kv_heads = shape.heads // u, ulysses_kv_heads(shape.kv_heads, u) // u
-    return s * shape.batch * heads * shape.head_dim, s * shape.batch * kv_heads * shape.head_dim, s * shape.batch * heads
+    return RankElements(
+        q=tokens * heads * shape.head_dim,
+        kv=tokens * kv_heads * (shape.head_dim + shape.v_dim),
+        out=tokens * heads * shape.v_dim,
+        lse=tokens * heads,
+    )
 
 
 def backward_p2p_parts(shape: AttentionShape, ulysses_size: int, team_size: int) -> dict[str, tuple[int, int]]:
     """Per rotation, the bytes one rank sends per backward sub-ring step as
     ``(payload, gradient accumulator)``: the payload moves G-1 times, the accumulator G."""
     c, e, a = team_size, shape.dtype_bytes, shape.acc_bytes
-    eq, ekv, el = startrail_rank_elements(shape, ulysses_size)
-    return {"q": (c * (3 * eq * e + el * a), c * eq * a), "kv": (2 * c * ekv * e, 2 * c * ekv * a)}
+    el = startrail_rank_elements(shape, ulysses_size)
+    return {
+        "q": (c * ((el.q + 2 * el.out) * e + el.lse * a), c * el.q * a),
+        "kv": (c * el.kv * e, c * el.kv * a),
+    }
 
 
 def backward_p2p_bytes_per_step(shape: AttentionShape, ulysses_size: int, team_size: int) -> dict[str, int]:
@@ -84,6 +117,18 @@ def choose_backward_rotation(shape: AttentionShape, ulysses_size: int, team_size
     return "q" if per_step["q"] <= per_step["kv"] else "kv"
 
 
+def kept_for_backward_bytes(shape: AttentionShape, *, ulysses_size: int, team_size: int,
+                            regather_in_backward: bool) -> int:
+    """Bytes one rank's attention keeps for its backward (its saved tensors, inputs of
+    the StarTrail function included; after the Ulysses all-to-all those are its own
+    q, k, v). Ring attention (C = 1) always keeps what regathering keeps."""
+    c, e, a = team_size, shape.dtype_bytes, shape.acc_bytes
+    el = startrail_rank_elements(shape, ulysses_size)
+    if regather_in_backward or c == 1:
+        return (el.q + el.kv + el.out) * e + el.lse * a
+    return c * (el.q + el.kv) * e + el.out * e + el.lse * a
+
+
 def expected_comm(
     shape: AttentionShape,
     *,
@@ -92,6 +137,7 @@ def expected_comm(
     ulysses_size: int = 1,
     startrail_rank: int = 0,
     rotation: str = "auto",
+    regather_in_backward: bool = False,
 ) -> dict[str, dict[str, int]]:
     """Closed-form :class:`~megatron_startrail.comm.CommStats` fields for one rank.
 
@@ -106,23 +152,27 @@ def expected_comm(
         rotation = choose_backward_rotation(shape, u, c)
     init = int(topo.init_send_dst(startrail_rank) != startrail_rank)
 
-    eq, ekv, el = startrail_rank_elements(shape, u)
+    el = startrail_rank_elements(shape, u)
+    eq, ekv, eo, e_lse = el  # elements: Q, K+V, out, lse
 
     # Ulysses all-to-all volume per direction (per CP rank, before the exchange).
-    uly_in = (u - 1) * (eq + 2 * ekv) * e // u
-    uly_out = (u - 1) * eq * e // u
+    uly_in = (u - 1) * (eq + ekv) * e // u
+    uly_out = (u - 1) * eo * e // u
 
-    fwd_coll = (c - 1) * ((eq + 2 * ekv) * e + eq * e + el * a) + uly_in + uly_out
-    fwd_p2p = (init + g - 1) * 2 * c * ekv * e
+    gather_inputs = (c - 1) * (eq + ekv) * e  # phase 1, team all-gather of q, k, v
+    init_send = init * c * ekv * e  # phase 2
+    fwd_coll = gather_inputs + (c - 1) * (eo * e + e_lse * a) + uly_in + uly_out
+    fwd_p2p = init_send + (g - 1) * c * ekv * e
     fwd_steps = init + g - 1
 
-    if rotation == "q":
-        ring = (g - 1) * c * (3 * eq * e + el * a) + (g * c * eq * a if g > 1 else 0)
-    else:
-        ring = (g - 1) * 2 * c * ekv * e + (g * 2 * c * ekv * a if g > 1 else 0)
-    bwd_p2p = ring + init * 2 * c * ekv * a
-    bwd_coll = (c - 1) * ((2 * eq * e + el * a) + (eq + 2 * ekv) * a) + uly_in + uly_out
+    payload, accumulator = backward_p2p_parts(shape, u, c)[rotation]
+    bwd_p2p = (g - 1) * payload + (g * accumulator if g > 1 else 0) + init * c * ekv * a
+    bwd_coll = (c - 1) * ((2 * eo * e + e_lse * a) + (eq + ekv) * a) + uly_in + uly_out
     bwd_steps = (g if g > 1 else 0) + init
+    if regather_in_backward:  # phases 1-2 again
+        bwd_coll += gather_inputs
+        bwd_p2p += init_send
+        bwd_steps += init
 
     def stats(p2p: int, coll: int, steps: int) -> dict[str, int]:
         return {

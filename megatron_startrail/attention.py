@@ -2,16 +2,25 @@
 
 Forward on StarTrail position ``r`` (team ``t``, member ``m``; DESIGN.md section 1)::
 
-    1. team all-gather      q, k, v  [n, b, h, d]  ->  [C*n, ...]       (team's queries)
+    1. team all-gather      q [n, b, h, dqk], k|v [n, b, hkv, dqk + dv]  ->  [C*n, ...]
     2. initial send          team K, V to init_send_dst(r)               (paper Alg. 2)
     3. sub-ring, G steps     attend team queries to the K, V held, pass
                              K, V to ring_next                            (paper Alg. 3)
     4. team merge            partial (out, lse) of the team's queries ->
                              each member merges its own rows in float32   (reduce-scatter
                                                                             with lse merge)
-Backward (paper 3.2.1): all-gather dO, out, lse in the team; run the same sub-ring
-schedule with either Q-side or K/V-side circulating (``rotation``); send dK, dV back
-along the reverse of the initial send; reduce-scatter dQ, dK, dV in the team.
+Backward (paper 3.2.1): [with ``regather_in_backward``: phases 1-2 again, from this
+rank's q, k, v;] all-gather dO, out, lse in the team; run the same sub-ring schedule
+with either Q-side or K/V-side circulating (``rotation``); send dK, dV back along the
+reverse of the initial send; reduce-scatter dQ, dK, dV in the team.
+
+Memory: without regathering the forward keeps the team's Q and the K, V of the
+initial send for the backward (``3C`` shares with MHA instead of ring attention's 3);
+with it, only this rank's q, k, v, out and lse, what ring attention keeps, for one
+more team all-gather and initial send per backward (Note [regather] in the README).
+
+Head dims: V may have its own head dim ``dv`` (Multi-Latent Attention); K and V travel
+side by side in the last dim, so nothing is padded.
 
 Packed documents change none of these phases: the rows every rank holds are described
 by segments of documents (Note [documents] in :mod:`megatron_startrail.layout`), and the
@@ -49,136 +58,211 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+# -- the phases; the forward runs 1-4, the backward re-runs 1-2 when regathering ------------
+
+
+def _gather_team(comm: Communicator, groups: StarTrailGroups, q, k, v, *, op: str):
+    """Phase 1, team all-gather: ``q [n, b, h, dqk]``, ``k [n, b, hkv, dqk]``,
+    ``v [n, b, hkv, dv]`` -> ``q_team [C*n, b, h, dqk]``, ``kv_team [C*n, b, hkv, dqk + dv]``.
+
+    K and V travel side by side in the last dim, so V keeps its own head dim (MLA)."""
+    c = groups.team_size
+    q_team = comm.all_gather(q, groups.team_group, c, op=op)
+    kv_team = comm.all_gather(torch.cat([k, v], dim=-1), groups.team_group, c, op=op)
+    return q_team, kv_team
+
+
+def _initial_send(comm: Communicator, groups: StarTrailGroups, kv_team: torch.Tensor, *, op: str) -> torch.Tensor:
+    """Phase 2 (paper Alg. 2): the team's K, V to ``init_send_dst``; returns what this rank
+    starts the sub-ring with (``kv_team`` itself when the send maps the rank to itself)."""
+    topo, pos = groups.topology, groups.startrail_rank
+    dst, src = topo.init_send_dst(pos), topo.init_send_src(pos)
+    if dst == pos:
+        return kv_team
+    kv_init = torch.empty_like(kv_team)
+    comm.post([(kv_team, dst)], [(kv_init, src)], op=op).wait()
+    return kv_init
+
+
+def _sub_ring_forward(comm, groups, docs, kernel, transfer, q_team, kv_init, *, causal, scale):
+    """Phase 3 (paper Alg. 3): the team's queries against the K, V circulating in the
+    sub-ring; returns the partial ``acc_out [b, h, C*n, dv]``, ``acc_lse [b, h, C*n]``."""
+    topo, pos = groups.topology, groups.startrail_rank
+    rows, b, h = q_team.shape[:3]
+    dv = kv_init.shape[-1] - q_team.shape[-1]
+    acc_dtype = _acc_dtype(q_team.dtype)
+    acc_out = q_team.new_zeros((b, h, rows, dv), dtype=acc_dtype)
+    acc_lse = q_team.new_full((b, h, rows), float("-inf"), dtype=acc_dtype)
+    q_segments = _team_segments(groups, docs, topo.team_of(pos))
+    kv_rot = LaneSplit(
+        sub_ring_lanes(topo, pos, transfer), rows,
+        lambda origin: _team_segments(groups, docs, topo.kv_team_at_step(origin, 0)),
+    )
+
+    def attend(step, payloads):
+        for lane_index, (lane, (kv,)) in enumerate(zip(kv_rot.lanes, payloads)):
+            k_segments = kv_rot.part_segments(lane.origin(pos, step), lane_index)
+            blocks.forward_step(kernel, q_team, kv, q_segments, k_segments, acc_out, acc_lse,
+                                causal=causal, scale=scale)
+
+    rotate(comm, kv_rot.lanes, pos, kv_rot.split([kv_init]), attend, op="sub_ring")
+    return acc_out, acc_lse
+
+
+def _team_merge(comm, groups, acc_out, acc_lse, dtype):
+    """Phase 4: member ``m`` merges rows ``[m*n, (m+1)*n)`` of the team's partial results;
+    returns ``out [n, b, h, dv]`` (``dtype``) and ``lse [n, b, h]`` (accumulator dtype)."""
+    c = groups.team_size
+    b, h, rows, dv = acc_out.shape
+    n = rows // c
+    if c == 1:
+        out, lse = acc_out, acc_lse
+    else:
+        # [b, h, C*n, dv] -> [C (destination member), b, h, n, dv]
+        parts = acc_out.view(b, h, c, n, dv).permute(2, 0, 1, 3, 4).to(dtype)
+        part_lse = acc_lse.view(b, h, c, n).permute(2, 0, 1, 3)
+        parts = comm.all_to_all(parts, groups.team_group, c, op="team_merge")
+        part_lse = comm.all_to_all(part_lse, groups.team_group, c, op="team_merge")
+        out, lse = blocks.merge_partials(parts, part_lse)
+    out = out.permute(2, 0, 1, 3).to(dtype).contiguous()  # [n, b, h, dv]
+    lse = lse.permute(2, 0, 1).contiguous()  # [n, b, h]: sequence first, for the gather
+    return out, lse
+
+
+def regathers_for_free(groups: StarTrailGroups) -> bool:
+    """Phases 1-2 move nothing on this rank (C = 1, initial send to itself: ring attention),
+    so the backward always rebuilds their output from the inputs instead of keeping it."""
+    topo, pos = groups.topology, groups.startrail_rank
+    return topo.team_size == 1 and topo.init_send_dst(pos) == pos
+
+
 class _StarTrailAttention(torch.autograd.Function):
-    """Exact attention over the StarTrail group, on post-Ulysses local tensors."""
+    """Exact attention over the StarTrail group, on post-Ulysses local tensors.
+
+    Kept for backward: the team's gathered Q and the K, V after the initial send
+    (``C`` and ``2C`` times this rank's share), or, with ``regather`` (and always when
+    phases 1-2 move nothing), only this rank's q, k, v, like ring attention; the backward
+    then re-runs phases 1-2.
+    """
 
     @staticmethod
-    def forward(ctx, q, k, v, groups: StarTrailGroups, docs, causal, scale, rotation, transfer, fwd_stats, bwd_stats,
-                timeline):
-        # q [n, b, h, d], k/v [n, b, hkv, d]; n = len(my chunks) * L
-        topo, pos = groups.topology, groups.startrail_rank
-        c, team = topo.team_size, topo.team_of(pos)
+    def forward(ctx, q, k, v, groups: StarTrailGroups, docs, causal, scale, rotation, transfer, regather,
+                fwd_stats, bwd_stats, timeline):
+        # q [n, b, h, dqk], k [n, b, hkv, dqk], v [n, b, hkv, dv]; n = len(my chunks) * L
         kernel = kernel_for(q, k, v, groups.kernel)
         comm = Communicator(fwd_stats, groups.startrail_group, groups.startrail_global_ranks, timeline)
-        n = q.shape[0]
+        q_team, kv_team = _gather_team(comm, groups, q, k, v, op="team_all_gather")
+        kv_init = _initial_send(comm, groups, kv_team, op="init_send")
+        del kv_team
+        acc_out, acc_lse = _sub_ring_forward(comm, groups, docs, kernel, transfer, q_team, kv_init,
+                                             causal=causal, scale=scale)
+        out, lse = _team_merge(comm, groups, acc_out, acc_lse, q.dtype)
 
-        # 1. team all-gather                       [C*n, b, h, d], [C*n, 2, b, hkv, d]
-        q_team = comm.all_gather(q, groups.team_group, c, op="team_all_gather")
-        kv_team = comm.all_gather(torch.stack([k, v], dim=1), groups.team_group, c, op="team_all_gather")
-
-        # 2. initial send of the team's K, V
-        dst, src = topo.init_send_dst(pos), topo.init_send_src(pos)
-        kv_init = kv_team
-        if dst != pos:
-            kv_init = torch.empty_like(kv_team)
-            comm.post([(kv_team, dst)], [(kv_init, src)], op="init_send").wait()
-
-        # 3. sub-ring                              acc: out [b, h, C*n, d], lse [b, h, C*n]
-        b, h, d = q.shape[1], q.shape[2], v.shape[3]
-        acc_dtype = _acc_dtype(q.dtype)
-        acc_out = q.new_zeros((b, h, c * n, d), dtype=acc_dtype)
-        acc_lse = q.new_full((b, h, c * n), float("-inf"), dtype=acc_dtype)
-        q_segments = _team_segments(groups, docs, team)
-        kv_rot = LaneSplit(
-            sub_ring_lanes(topo, pos, transfer), c * n,
-            lambda origin: _team_segments(groups, docs, topo.kv_team_at_step(origin, 0)),
-        )
-
-        def attend(step, payloads):
-            for lane_index, (lane, (kv,)) in enumerate(zip(kv_rot.lanes, payloads)):
-                k_segments = kv_rot.part_segments(lane.origin(pos, step), lane_index)
-                blocks.forward_step(kernel, q_team, kv, q_segments, k_segments, acc_out, acc_lse,
-                                    causal=causal, scale=scale)
-
-        rotate(comm, kv_rot.lanes, pos, kv_rot.split([kv_init]), attend, op="sub_ring")
-
-        # 4. team merge: member m keeps rows [m*n, (m+1)*n) of the team's queries
-        if c == 1:
-            out, lse = acc_out, acc_lse
+        ctx.regather = regather or regathers_for_free(groups)
+        if ctx.regather:
+            ctx.save_for_backward(q, k, v, out, lse)
         else:
-            # [b, h, C*n, d] -> [C (destination member), b, h, n, d]
-            parts = acc_out.view(b, h, c, n, d).permute(2, 0, 1, 3, 4).to(q.dtype)
-            part_lse = acc_lse.view(b, h, c, n).permute(2, 0, 1, 3)
-            parts = comm.all_to_all(parts, groups.team_group, c, op="team_merge")
-            part_lse = comm.all_to_all(part_lse, groups.team_group, c, op="team_merge")
-            out, lse = blocks.merge_partials(parts, part_lse)
-        out = out.permute(2, 0, 1, 3).to(q.dtype).contiguous()  # [n, b, h, d]
-        lse = lse.permute(2, 0, 1).contiguous()  # [n, b, h]: sequence first, for the gather
-
-        ctx.save_for_backward(q_team, kv_init, out, lse)
+            ctx.save_for_backward(q_team, kv_init, out, lse)
         ctx.groups, ctx.docs, ctx.causal, ctx.scale, ctx.kernel = groups, docs, causal, scale, kernel
         ctx.rotation, ctx.transfer, ctx.bwd_stats, ctx.timeline = rotation, transfer, bwd_stats, timeline
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q_team, kv_init, out, lse = ctx.saved_tensors
-        groups, docs, causal, scale, kernel = ctx.groups, ctx.docs, ctx.causal, ctx.scale, ctx.kernel
-        topo, pos = groups.topology, groups.startrail_rank
-        c, team = topo.team_size, topo.team_of(pos)
+        groups, docs = ctx.groups, ctx.docs
         comm = Communicator(ctx.bwd_stats, groups.startrail_group, groups.startrail_global_ranks, ctx.timeline)
-        dtype, acc_dtype = q_team.dtype, _acc_dtype(q_team.dtype)
-        rows = c * out.shape[0]  # of the team's gathered sequence
-        lanes = sub_ring_lanes(topo, pos, ctx.transfer)
-
-        # 1. team all-gather of the query-side inputs of the block backward
-        do_out = comm.all_gather(torch.stack([dout, out], dim=1), groups.team_group, c, op="team_all_gather")
-        lse_team = comm.all_gather(lse, groups.team_group, c, op="team_all_gather")  # [C*n, b, h]
-        q_side = torch.cat([q_team.unsqueeze(1), do_out], dim=1)  # [C*n, 3 (q, dO, out), b, h, d]
-        own_q_segments = _team_segments(groups, docs, team)
-        own_kv_segments = _team_segments(groups, docs, topo.kv_team_at_step(pos, 0))
-
-        def grads(qs, lse_rows, kv, q_segments, kv_segments, dq, dkv):
-            blocks.backward_step(kernel, qs[:, 0], qs[:, 1], qs[:, 2], lse_rows, kv, q_segments, kv_segments,
-                                 dq, dkv, causal=causal, scale=scale)
-
-        # 2. the sub-ring, one side fixed, the other circulating with its gradients
-        if ctx.rotation == "q":
-            dkv_init = kv_init.new_zeros(kv_init.shape, dtype=acc_dtype)
-            q_rot = LaneSplit(lanes, rows, lambda origin: _team_segments(groups, docs, topo.team_of(origin)))
-
-            def step_q(step, payloads):
-                contrib = []
-                for lane_index, (lane, (qs, lse_rows)) in enumerate(zip(q_rot.lanes, payloads)):
-                    dq = qs.new_zeros(qs[:, 0].shape, dtype=acc_dtype)
-                    q_segments = q_rot.part_segments(lane.origin(pos, step), lane_index)
-                    grads(qs, lse_rows, kv_init, q_segments, own_kv_segments, dq, dkv_init)
-                    contrib.append([dq])
-                return contrib
-
-            home = rotate(comm, q_rot.lanes, pos, q_rot.split([q_side, lse_team]), step_q,
-                          op="sub_ring", accumulate=True)
-            dq_team = q_rot.join([lane_acc[0] for lane_acc in home])
+        if ctx.regather:  # phases 1-2 again, on this rank's q, k, v
+            q, k, v, out, lse = ctx.saved_tensors
+            q_team, kv_team = _gather_team(comm, groups, q, k, v, op="regather_team_all_gather")
+            kv_init = _initial_send(comm, groups, kv_team, op="regather_init_send")
+            del kv_team
         else:
-            dq_team = q_team.new_zeros(q_team.shape, dtype=acc_dtype)
-            kv_rot = LaneSplit(
-                lanes, rows, lambda origin: _team_segments(groups, docs, topo.kv_team_at_step(origin, 0))
-            )
+            q_team, kv_init, out, lse = ctx.saved_tensors
+        dtype, dqk = q_team.dtype, q_team.shape[-1]
+        q_side, lse_team = _gather_query_side(comm, groups, q_team, dout, out, lse)
+        del q_team
+        dq_team, dkv_init = _sub_ring_backward(comm, groups, docs, ctx.kernel, ctx.transfer, ctx.rotation,
+                                               q_side, lse_team, kv_init, dqk, causal=ctx.causal, scale=ctx.scale)
+        dkv_team = _initial_send_reverse(comm, groups, dkv_init)
+        # team reduce-scatter (float32): every member keeps its own rows
+        dq = comm.reduce_scatter(dq_team, groups.team_group, groups.team_size, op="team_reduce_scatter")
+        dkv = comm.reduce_scatter(dkv_team, groups.team_group, groups.team_size, op="team_reduce_scatter")
+        dk, dv = dkv[..., :dqk].to(dtype), dkv[..., dqk:].to(dtype)
+        return (dq.to(dtype), dk, dv) + (None,) * 10
 
-            def step_kv(step, payloads):
-                contrib = []
-                for lane_index, (lane, (kv,)) in enumerate(zip(kv_rot.lanes, payloads)):
-                    dkv = kv.new_zeros(kv.shape, dtype=acc_dtype)
-                    kv_segments = kv_rot.part_segments(lane.origin(pos, step), lane_index)
-                    grads(q_side, lse_team, kv, own_q_segments, kv_segments, dq_team, dkv)
-                    contrib.append([dkv])
-                return contrib
 
-            home = rotate(comm, kv_rot.lanes, pos, kv_rot.split([kv_init]), step_kv,
-                          op="sub_ring", accumulate=True)
-            dkv_init = kv_rot.join([lane_acc[0] for lane_acc in home])
+# -- the backward's own phases ---------------------------------------------------------------
 
-        # 3. dK, dV go back along the reverse of the initial send
-        dst, src = topo.init_send_dst(pos), topo.init_send_src(pos)
-        dkv_team = dkv_init
-        if dst != pos:
-            dkv_team = torch.empty_like(dkv_init)
-            comm.post([(dkv_init, src)], [(dkv_team, dst)], op="init_send_reverse").wait()
 
-        # 4. team reduce-scatter (float32): every member keeps its own rows
-        dq = comm.reduce_scatter(dq_team, groups.team_group, c, op="team_reduce_scatter")
-        dkv = comm.reduce_scatter(dkv_team, groups.team_group, c, op="team_reduce_scatter")
-        return (dq.to(dtype), dkv[:, 0].to(dtype), dkv[:, 1].to(dtype)) + (None,) * 9
+def _gather_query_side(comm, groups, q_team, dout, out, lse):
+    """Team all-gather of the query-side inputs of the block backward: returns
+    ``q_side [C*n, b, h, dqk + 2 dv]`` (q | dO | out side by side) and ``lse_team [C*n, b, h]``."""
+    c = groups.team_size
+    do_out = comm.all_gather(torch.cat([dout, out], dim=-1), groups.team_group, c, op="team_all_gather")
+    lse_team = comm.all_gather(lse, groups.team_group, c, op="team_all_gather")
+    return torch.cat([q_team, do_out], dim=-1), lse_team
+
+
+def _sub_ring_backward(comm, groups, docs, kernel, transfer, rotation, q_side, lse_team, kv_init, dqk, *,
+                       causal, scale):
+    """The forward's sub-ring schedule with one side fixed and the other circulating with
+    its gradient accumulator (``rotation`` "q": Q, dO, out, lse and dQ move, paper 3.2.1;
+    "kv": K, V and dK, dV move). Returns ``dq_team [C*n, b, h, dqk]`` and
+    ``dkv_init [C*n, b, hkv, dqk + dv]`` (accumulator dtype)."""
+    topo, pos = groups.topology, groups.startrail_rank
+    acc_dtype = _acc_dtype(q_side.dtype)
+    dv = (q_side.shape[-1] - dqk) // 2
+    rows = q_side.shape[0]  # of the team's gathered sequence
+    lanes = sub_ring_lanes(topo, pos, transfer)
+
+    def grads(qs, lse_rows, kv, q_segments, kv_segments, dq, dkv):
+        q, dout, out = qs[..., :dqk], qs[..., dqk : dqk + dv], qs[..., dqk + dv :]
+        blocks.backward_step(kernel, q, dout, out, lse_rows, kv, q_segments, kv_segments, dq, dkv,
+                             causal=causal, scale=scale)
+
+    if rotation == "q":
+        own_kv_segments = _team_segments(groups, docs, topo.kv_team_at_step(pos, 0))
+        dkv_init = kv_init.new_zeros(kv_init.shape, dtype=acc_dtype)
+        q_rot = LaneSplit(lanes, rows, lambda origin: _team_segments(groups, docs, topo.team_of(origin)))
+
+        def step_q(step, payloads):
+            contrib = []
+            for lane_index, (lane, (qs, lse_rows)) in enumerate(zip(q_rot.lanes, payloads)):
+                dq = qs.new_zeros(qs.shape[:-1] + (dqk,), dtype=acc_dtype)
+                q_segments = q_rot.part_segments(lane.origin(pos, step), lane_index)
+                grads(qs, lse_rows, kv_init, q_segments, own_kv_segments, dq, dkv_init)
+                contrib.append([dq])
+            return contrib
+
+        home = rotate(comm, q_rot.lanes, pos, q_rot.split([q_side, lse_team]), step_q, op="sub_ring", accumulate=True)
+        return q_rot.join([lane_acc[0] for lane_acc in home]), dkv_init
+
+    own_q_segments = _team_segments(groups, docs, topo.team_of(pos))
+    dq_team = q_side.new_zeros(q_side.shape[:-1] + (dqk,), dtype=acc_dtype)
+    kv_rot = LaneSplit(lanes, rows, lambda origin: _team_segments(groups, docs, topo.kv_team_at_step(origin, 0)))
+
+    def step_kv(step, payloads):
+        contrib = []
+        for lane_index, (lane, (kv,)) in enumerate(zip(kv_rot.lanes, payloads)):
+            dkv = kv.new_zeros(kv.shape, dtype=acc_dtype)
+            kv_segments = kv_rot.part_segments(lane.origin(pos, step), lane_index)
+            grads(q_side, lse_team, kv, own_q_segments, kv_segments, dq_team, dkv)
+            contrib.append([dkv])
+        return contrib
+
+    home = rotate(comm, kv_rot.lanes, pos, kv_rot.split([kv_init]), step_kv, op="sub_ring", accumulate=True)
+    return dq_team, kv_rot.join([lane_acc[0] for lane_acc in home])
+
+
+def _initial_send_reverse(comm, groups, dkv_init):
+    """dK, dV go back along the reverse of the initial send."""
+    topo, pos = groups.topology, groups.startrail_rank
+    dst, src = topo.init_send_dst(pos), topo.init_send_src(pos)
+    if dst == pos:
+        return dkv_init
+    dkv_team = torch.empty_like(dkv_init)
+    comm.post([(dkv_init, src)], [(dkv_team, dst)], op="init_send_reverse").wait()
+    return dkv_team
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: StarTrailGroups) -> None:
@@ -196,7 +280,8 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Star
         raise ValueError(f"k and v must agree in [s_local, batch, kv_heads], got {tuple(k.shape)} and {tuple(v.shape)}")
     if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
         raise ValueError(
-            f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in s_local, batch and head_dim"
+            f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in s_local, batch and head_dim "
+            "(v may have its own head dim)"
         )
     s_local, heads, kv_heads = q.shape[0], q.shape[2], k.shape[2]
     cp = groups.cp_size
@@ -233,14 +318,20 @@ def startrail_attn(
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_padded: torch.Tensor | None = None,
     transfer: str = "ring",
+    regather_in_backward: bool = False,
     timeline: Timeline | None = None,
 ) -> torch.Tensor:
     """Exact softmax attention over the whole context-parallel group.
 
     ``q [s_local, b, heads, dim]``, ``k``/``v`` ``[s_local, b, kv_heads, dim]`` in
     Megatron's CP layout (CP rank ``r`` holds chunks ``r`` and ``2*CP-1-r``); returns
-    ``[s_local, b, heads, dim]``. GQA/MQA: ``kv_heads`` divides ``heads`` and K/V are
-    never replicated to the query heads inside the ring.
+    ``[s_local, b, heads, v_dim]``. GQA/MQA: ``kv_heads`` divides ``heads`` and K/V are
+    never replicated to the query heads inside the ring. ``v`` may have its own head dim
+    (Multi-Latent Attention); the output has it too.
+
+    ``regather_in_backward=True`` keeps only what ring attention keeps for the backward
+    (q, k, v, out, lse of this rank) and re-runs the team all-gather and the initial send
+    in the backward (Megatron: ``--startrail-regather-in-backward``).
 
     Packed documents (Note [documents] in :mod:`megatron_startrail.layout`): with
     ``cu_seqlens`` (int32 ``[n_docs + 1]``, global, the same on every CP rank) attention
@@ -269,13 +360,14 @@ def startrail_attn(
     docs = agree_on_documents(cu_seqlens, cu_seqlens_padded, q.shape[0], q.shape[1], groups, fwd_stats, q.device)
     rotation = groups.backward_rotation
     if rotation == "auto":
-        shape = AttentionShape(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], q.element_size())
+        shape = AttentionShape(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], q.element_size(),
+                               v_head_dim=v.shape[3])
         rotation = choose_backward_rotation(shape, groups.ulysses_size, groups.team_size)
 
     if groups.ulysses_size > 1:
         q, k, v = gather_sequence(q, k, v, groups, fwd_stats, bwd_stats, timeline)
-    out = _StarTrailAttention.apply(q, k, v, groups, docs, causal, scale, rotation, transfer, fwd_stats, bwd_stats,
-                                    timeline)
+    out = _StarTrailAttention.apply(q, k, v, groups, docs, causal, scale, rotation, transfer,
+                                    bool(regather_in_backward), fwd_stats, bwd_stats, timeline)
     if groups.ulysses_size > 1:
         out = scatter_sequence(out, groups, fwd_stats, bwd_stats, timeline)
     return out.squeeze(1) if thd else out

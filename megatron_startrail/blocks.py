@@ -4,8 +4,13 @@ Tensors here are in Megatron's sequence-first layout; the rows are runs of token
 one document each, listed alongside as segments (Note [documents] in
 :mod:`megatron_startrail.layout`); rows of padding take part in no kernel call::
 
-    q-side   q, dout, out  [Sq, b, h, d]      lse [b, h, Sq] (forward), [Sq, b, h] (backward)
-    kv-side  kv            [Sk, 2, b, hkv, d] (K and V stacked)
+    q-side   q [Sq, b, h, dqk], dout, out [Sq, b, h, dv]
+             lse [b, h, Sq] (forward), [Sq, b, h] (backward)
+    kv-side  kv [Sk, b, hkv, dqk + dv]   (K and V side by side in the last dim:
+                                          k = kv[..., :dqk], v = kv[..., dqk:])
+
+``dv`` may differ from ``dqk`` (Multi-Latent Attention: dqk 192, dv 128); V is never
+padded to K's head dim, in memory or on the wire.
 
 Kernels want ``[b, h, s, d]``; :func:`_bhsd` gives that as a view.
 """
@@ -71,11 +76,13 @@ def forward_step(
     causal: bool,
     scale: float,
 ) -> None:
-    """Attend ``q`` to ``kv`` and merge into ``acc_out [b, h, Sq, d]`` / ``acc_lse [b, h, Sq]``."""
+    """Attend ``q`` to ``kv`` and merge into ``acc_out [b, h, Sq, dv]`` / ``acc_lse [b, h, Sq]``."""
+    dqk = q.shape[-1]
     for block in plan_blocks(q_segments, k_segments, causal):
         q0, q1 = block.q_rows
         kvs = take_rows(kv, block.k_rows)
-        out, lse = kernel.forward(_bhsd(q[q0:q1]), _bhsd(kvs[:, 0]), _bhsd(kvs[:, 1]), causal=block.causal, scale=scale)
+        out, lse = kernel.forward(_bhsd(q[q0:q1]), _bhsd(kvs[..., :dqk]), _bhsd(kvs[..., dqk:]),
+                                  causal=block.causal, scale=scale)
         merge_lse_(acc_out[:, :, q0:q1], acc_lse[:, :, q0:q1], out, lse)
 
 
@@ -94,13 +101,15 @@ def backward_step(
     causal: bool,
     scale: float,
 ) -> None:
-    """Add this step's gradients into ``dq [Sq, b, h, d]`` and ``dkv [Sk, 2, b, hkv, d]``."""
+    """Add this step's gradients into ``dq [Sq, b, h, dqk]`` and ``dkv [Sk, b, hkv, dqk + dv]``."""
+    dqk = q.shape[-1]
     for block in plan_blocks(q_segments, k_segments, causal):
         q0, q1 = block.q_rows
         kvs = take_rows(kv, block.k_rows)
         gq, gk, gv = kernel.backward(
-            _bhsd(dout[q0:q1]), _bhsd(q[q0:q1]), _bhsd(kvs[:, 0]), _bhsd(kvs[:, 1]), _bhsd(out[q0:q1]),
+            _bhsd(dout[q0:q1]), _bhsd(q[q0:q1]), _bhsd(kvs[..., :dqk]), _bhsd(kvs[..., dqk:]), _bhsd(out[q0:q1]),
             lse[q0:q1].permute(1, 2, 0).contiguous(), causal=block.causal, scale=scale,
         )
         _bhsd(dq[q0:q1]).add_(gq)
-        add_rows(dkv, torch.stack([gk, gv], dim=0).permute(3, 0, 1, 2, 4), block.k_rows)  # [Sk', 2, b, hkv, d]
+        # [b, hkv, Sk', dqk] | [b, hkv, Sk', dv] -> [Sk', b, hkv, dqk + dv]
+        add_rows(dkv, torch.cat([gk, gv], dim=-1).permute(2, 0, 1, 3), block.k_rows)

@@ -30,7 +30,13 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from .accounting import AttentionShape, backward_p2p_parts, choose_backward_rotation, startrail_rank_elements
+from .accounting import (
+    AttentionShape,
+    backward_p2p_parts,
+    choose_backward_rotation,
+    kept_for_backward_bytes,
+    startrail_rank_elements,
+)
 from .topology import StarTrailTopology, valid_team_sizes
 from .transfer import sub_ring_lanes
 
@@ -72,6 +78,8 @@ class Workload:
     batch: int = 1
     dtype_bytes: int = 2
     causal: bool = True
+    v_head_dim: int | None = None  # None: head_dim (Multi-Latent Attention: its own)
+    layers: int = 1  # attention layers whose activations are alive at once (memory only)
 
 
 @dataclass(frozen=True)
@@ -83,6 +91,8 @@ class Prediction:
     compute_s: float
     exposed_comm_s: float
     internode_bytes: float  # per node, forward + backward
+    regather_in_backward: bool = False
+    activation_bytes: int = 0  # what the attention layers keep for backward, per rank
 
     @property
     def name(self) -> str:
@@ -90,6 +100,8 @@ class Prediction:
             "tasp" if self.team_size == 1 else f"startrail-{self.team_size}")
         if self.transfer == "multiring" and self.team_size > 1:
             core += "-multiring"
+        if self.regather_in_backward and self.team_size > 1:
+            core += "-regather"
         return core if self.ulysses_size == 1 else f"ulysses-{self.ulysses_size}x{core}"
 
 
@@ -148,22 +160,27 @@ def _collective_time(cluster: ClusterSpec, groups: list[list[int]], bytes_per_ra
     return t + (calls - 1) * (cluster.inter_latency_s if crosses else cluster.intra_latency_s), inter
 
 
+def _shape(work: Workload, cp_size: int) -> AttentionShape:
+    return AttentionShape(work.seq_length // cp_size, work.batch, work.heads, work.kv_heads, work.head_dim,
+                          work.dtype_bytes, v_head_dim=work.v_head_dim)
+
+
 def predict(cluster: ClusterSpec, work: Workload, cp_size: int, team_size: int, ulysses_size: int = 1,
-            transfer: str = "ring") -> Prediction:
-    """Predicted forward+backward time of one attention layer on one CP group."""
+            transfer: str = "ring", regather_in_backward: bool = False) -> Prediction:
+    """Predicted forward+backward time of one attention layer on one CP group, and the
+    bytes ``work.layers`` such layers keep for backward on one rank."""
     u, c = ulysses_size, team_size
     s_size = cp_size // u
     topo = StarTrailTopology(s_size, c)
     g = topo.sub_ring_size
-    shape = AttentionShape(work.seq_length // cp_size, work.batch, work.heads, work.kv_heads, work.head_dim,
-                           work.dtype_bytes)
+    shape = _shape(work, cp_size)
     e, a = shape.dtype_bytes, shape.acc_bytes
-    eq, ekv, el = startrail_rank_elements(shape, u)  # one StarTrail rank's Q, K, lse elements
+    eq, ekv, eo, el = startrail_rank_elements(shape, u)  # one StarTrail rank's Q, K+V, out, lse elements
     cp_rank = lambda pos, uly=0: pos * u + uly  # noqa: E731 - StarTrail position -> CP rank
     positions = range(s_size)
 
     # Compute: a rank's share of the attention FLOPs, spread over the G sub-ring steps.
-    flops_fwd = 4 * work.batch * work.heads * work.seq_length**2 * work.head_dim / cp_size
+    flops_fwd = 2 * work.batch * work.heads * work.seq_length**2 * (work.head_dim + shape.v_dim) / cp_size
     if work.causal:
         flops_fwd /= 2
     rate = cluster.attention_tflops * 1e12
@@ -179,14 +196,16 @@ def predict(cluster: ClusterSpec, work: Workload, cp_size: int, team_size: int, 
     teams = [[cp_rank(p, x) for p in team] for x in range(u) for team in topo.teams()]
     # Ulysses all-to-alls: q, k, v in and the output back, each way (fwd and bwd).
     if u > 1:
-        uly_bytes = (u - 1) / u * (2 * eq + 2 * ekv) * e
+        uly_bytes = (u - 1) / u * (eq + eo + ekv) * e
         add(_collective_time(cluster, all_uly, 2 * uly_bytes, calls=8))  # q, k, v, out; both ways
     # Forward: team all-gather of q, k, v; merge all-to-all of out and lse.
     if c > 1:
-        add(_collective_time(cluster, teams, (c - 1) * (eq + 2 * ekv) * e, calls=2))  # q; k, v
-        add(_collective_time(cluster, teams, (c - 1) * (eq * e + el * a), calls=2))  # out; lse
-    # Initial send (forward K, V; backward dK, dV in the accumulator dtype).
-    for nbytes in (2 * c * ekv * e, 2 * c * ekv * a):
+        for _ in range(2 if regather_in_backward else 1):  # the backward may gather again
+            add(_collective_time(cluster, teams, (c - 1) * (eq + ekv) * e, calls=2))  # q; k, v
+        add(_collective_time(cluster, teams, (c - 1) * (eo * e + el * a), calls=2))  # out; lse
+    # Initial send (forward K, V; backward dK, dV in the accumulator dtype; the K, V
+    # again when the backward regathers).
+    for nbytes in [c * ekv * e, c * ekv * a] + ([c * ekv * e] if regather_in_backward else []):
         add(_exchange_time(cluster, [(cp_rank(p, x), cp_rank(topo.init_send_dst(p), x), nbytes)
                                      for p in positions for x in range(u)]))
     # Sub-ring steps, overlapped with the compute of the step they feed.
@@ -205,7 +224,7 @@ def predict(cluster: ClusterSpec, work: Workload, cp_size: int, team_size: int, 
     # 0..G-2. Backward: the next payload (steps 0..G-2) and the accumulator posted after
     # the previous step (steps 1..G-1); the last accumulator is waited on after the last
     # step, exposed.
-    kv_round = ring_round(2 * c * ekv * e)
+    kv_round = ring_round(c * ekv * e)
     fwd_flying = [kv_round] * (g - 1) + [(0.0, 0.0)]
     bwd_flying = [ring_round(payload_bwd * (i < g - 1) + accumulator_bwd * (i > 0)) for i in range(g)]
     for flying, compute in ((fwd_flying, compute_fwd), (bwd_flying, compute_bwd)):
@@ -215,14 +234,35 @@ def predict(cluster: ClusterSpec, work: Workload, cp_size: int, team_size: int, 
         add(ring_round(accumulator_bwd))
     # Backward: all-gather dO, out, lse; reduce-scatter dQ, dK, dV.
     if c > 1:
-        add(_collective_time(cluster, teams, (c - 1) * (2 * eq * e + el * a), calls=2))  # dO, out; lse
-        add(_collective_time(cluster, teams, (c - 1) * (eq + 2 * ekv) * a, calls=2))  # dq; dk, dv
+        add(_collective_time(cluster, teams, (c - 1) * (2 * eo * e + el * a), calls=2))  # dO, out; lse
+        add(_collective_time(cluster, teams, (c - 1) * (eq + ekv) * a, calls=2))  # dq; dk, dv
     compute = compute_fwd + compute_bwd
-    return Prediction(u, c, transfer, total, compute, max(0.0, total - compute), inter_bytes)
+    kept = work.layers * kept_for_backward_bytes(shape, ulysses_size=u, team_size=c,
+                                                 regather_in_backward=regather_in_backward)
+    return Prediction(u, c, transfer, total, compute, max(0.0, total - compute), inter_bytes,
+                      regather_in_backward and c > 1, kept)
 
 
-def plan(cluster: ClusterSpec, work: Workload, cp_size: int, *, transfers=("ring", "multiring")) -> list[Prediction]:
-    """Every valid (U, C, transfer), fastest first."""
+def _fitting(cluster, work, cp_size, c, u, transfer, memory_limit_bytes) -> Prediction | None:
+    """The prediction for (U, C, transfer) that fits the memory limit: without regathering
+    if that fits, else with it (ring attention keeps the same either way), else None."""
+    pred = predict(cluster, work, cp_size, c, u, transfer)
+    if memory_limit_bytes is None or pred.activation_bytes <= memory_limit_bytes:
+        return pred
+    if c > 1:
+        pred = predict(cluster, work, cp_size, c, u, transfer, regather_in_backward=True)
+        if pred.activation_bytes <= memory_limit_bytes:
+            return pred
+    return None
+
+
+def plan(cluster: ClusterSpec, work: Workload, cp_size: int, *, transfers=("ring", "multiring"),
+         memory_limit_bytes: int | None = None) -> list[Prediction]:
+    """Every valid (U, C, transfer), fastest first.
+
+    With ``memory_limit_bytes`` (per rank, for what ``work.layers`` attention layers keep
+    for backward), configurations over it are left out, and StarTrail is planned with
+    regathering in the backward where only that makes it fit."""
     out = []
     for u in range(1, cp_size + 1):
         if cp_size % u or work.heads % u or (work.kv_heads % u and u % work.kv_heads):
@@ -231,28 +271,46 @@ def plan(cluster: ClusterSpec, work: Workload, cp_size: int, *, transfers=("ring
             for transfer in transfers:
                 if transfer == "multiring" and StarTrailTopology(cp_size // u, c).sub_ring_size < 3:
                     continue  # one or two ranks per sub-ring: the same as the single ring
-                out.append(predict(cluster, work, cp_size, c, u, transfer))
+                pred = _fitting(cluster, work, cp_size, c, u, transfer, memory_limit_bytes)
+                if pred is not None:
+                    out.append(pred)
     return sorted(out, key=lambda p: p.time_s)
 
 
-def choose_team_size(*, cp_size: int, ulysses_size: int, gpus_per_node: int, seq_length: int, num_heads: int,
-                     num_kv_heads: int, head_dim: int, micro_batch_size: int, dtype_bytes: int,
-                     cluster: ClusterSpec | None = None) -> int:
-    """The team size the planner predicts fastest for this CP size and Ulysses degree.
+def choose_team_size(**kwargs) -> int:
+    """The team size of :func:`choose_plan` (same keywords)."""
+    return choose_plan(**kwargs).team_size
+
+
+def choose_plan(*, cp_size: int, ulysses_size: int, gpus_per_node: int, seq_length: int, num_heads: int,
+                num_kv_heads: int, head_dim: int, micro_batch_size: int, dtype_bytes: int,
+                cluster: ClusterSpec | None = None, v_head_dim: int | None = None, layers: int = 1,
+                memory_limit_bytes: int | None = None) -> Prediction:
+    """The (team size, regathering) the planner predicts fastest for this CP size and
+    Ulysses degree, among those whose ``layers`` attention layers keep at most
+    ``memory_limit_bytes`` per rank for backward (no limit: all).
 
     Without ``cluster``: ``gpus_per_node`` GPUs per node with NVLink-class links inside
     and 8 x 400 Gbit/s (InfiniBand) between nodes; the ranking depends on the ratio of
-    the two far more than on their absolute values.
+    the two far more than on their absolute values. Raises ValueError when nothing fits.
     """
     if cluster is None:
         nodes = max(1, -(-cp_size // gpus_per_node))
         cluster = ClusterSpec(nodes=nodes, gpus_per_node=gpus_per_node)
-    work = Workload(seq_length, num_heads, num_kv_heads, head_dim, micro_batch_size, dtype_bytes)
-    best = min(
-        (predict(cluster, work, cp_size, c, ulysses_size) for c in valid_team_sizes(cp_size // ulysses_size)),
-        key=lambda p: p.time_s,
-    )
-    return best.team_size
+    work = Workload(seq_length, num_heads, num_kv_heads, head_dim, micro_batch_size, dtype_bytes,
+                    v_head_dim=v_head_dim, layers=layers)
+    found = [
+        pred for c in valid_team_sizes(cp_size // ulysses_size)
+        if (pred := _fitting(cluster, work, cp_size, c, ulysses_size, "ring", memory_limit_bytes)) is not None
+    ]
+    if not found:
+        least = predict(cluster, work, cp_size, 1, ulysses_size).activation_bytes
+        raise ValueError(
+            f"no StarTrail team size keeps the attention's activations within "
+            f"--startrail-memory-limit-gb {memory_limit_bytes / 1e9:g}: even ring attention keeps "
+            f"{least / 1e9:.3g} GB per rank ({layers} layers); raise the limit or --context-parallel-size"
+        )
+    return min(found, key=lambda p: p.time_s)
 
 
 def main() -> None:
@@ -275,17 +333,28 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype-bytes", type=int, default=2)
+    p.add_argument("--v-head-dim", type=int, default=None, help="V head dim (MLA); default: --head-dim")
+    p.add_argument("--num-layers", type=int, default=1, help="attention layers (for the memory limit)")
+    p.add_argument("--memory-limit-gb", type=float, default=None,
+                   help="leave out configurations whose attention activations exceed this, per rank")
     p.add_argument("--no-causal", action="store_true")
     args = p.parse_args()
     cluster = ClusterSpec(args.nodes, args.gpus_per_node, args.intra_node_gbs, args.inter_node_gbps / 8,
                           args.nics_per_node, attention_tflops=args.attention_tflops, overlap=args.overlap,
                           cp_stride=args.tp_size)
     work = Workload(args.seq_length, args.heads // args.tp_size, (args.kv_heads or args.heads) // args.tp_size,
-                    args.head_dim, args.batch, args.dtype_bytes, not args.no_causal)
-    print(f"{'configuration':28} {'time ms':>9} {'compute ms':>11} {'exposed comm ms':>16} {'inter-node MiB/node':>20}")
-    for pred in plan(cluster, work, args.cp_size):
-        print(f"{pred.name:28} {pred.time_s * 1e3:9.2f} {pred.compute_s * 1e3:11.2f} "
-              f"{pred.exposed_comm_s * 1e3:16.2f} {pred.internode_bytes / 2**20:20.1f}")
+                    args.head_dim, args.batch, args.dtype_bytes, not args.no_causal, args.v_head_dim, args.num_layers)
+    limit = None if args.memory_limit_gb is None else int(args.memory_limit_gb * 1e9)
+    print(f"{'configuration':36} {'time ms':>9} {'compute ms':>11} {'exposed comm ms':>16} "
+          f"{'inter-node MiB/node':>20} {'kept for bwd GB/rank':>21}")
+    preds = plan(cluster, work, args.cp_size, memory_limit_bytes=limit)
+    if not preds:
+        print(f"no configuration keeps the attention's activations of {args.num_layers} layers within "
+              f"--memory-limit-gb {args.memory_limit_gb:g} per rank")
+    for pred in preds:
+        print(f"{pred.name:36} {pred.time_s * 1e3:9.2f} {pred.compute_s * 1e3:11.2f} "
+              f"{pred.exposed_comm_s * 1e3:16.2f} {pred.internode_bytes / 2**20:20.1f} "
+              f"{pred.activation_bytes / 1e9:21.3f}")
 
 
 if __name__ == "__main__":

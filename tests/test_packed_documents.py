@@ -126,7 +126,7 @@ def group_settings(cp):
                     yield u, c
 
 
-def run_packed_case(groups, rank, cp, layout, causal, kv_heads, dtype, seed, thd, transfer="ring"):
+def run_packed_case(groups, rank, cp, layout, causal, kv_heads, dtype, seed, thd, transfer="ring", regather=False):
     cu, padded = make_documents(cp, CHUNK, layout, seed)
     doc = document_of_positions(cu, padded)
     full = full_inputs(seed, len(doc), 1, HEADS, kv_heads, DIM, dtype)
@@ -138,7 +138,7 @@ def run_packed_case(groups, rank, cp, layout, causal, kv_heads, dtype, seed, thd
         q, k, v, dout = (t.squeeze(1) for t in (q, k, v, dout))
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
     out = startrail_attn(q, k, v, groups, causal=causal, softmax_scale=scale, cu_seqlens=cu, cu_seqlens_padded=padded,
-                         transfer=transfer)
+                         transfer=transfer, regather_in_backward=regather)
     assert out.shape == q.shape
     out.backward(dout)
     got = [t.reshape(len(mine), 1, *t.shape[-2:]) for t in (out.detach(), q.grad, k.grad, v.grad)]

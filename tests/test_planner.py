@@ -64,3 +64,35 @@ def test_overlap_prices_hidden_and_serialised_steps():
     full, half = slow_link_cluster(2, 4), slow_link_cluster(2, 4, overlap=0.5)
     for c in (1, 2):
         assert predict(half, WORK, 8, c).time_s >= predict(full, WORK, 8, c).time_s
+
+
+def test_memory_limit_leaves_out_configurations_or_makes_them_regather():
+    from megatron_startrail.accounting import AttentionShape, kept_for_backward_bytes  # noqa: PLC0415
+
+    cluster = slow_link_cluster(2, 8)
+    shape = AttentionShape(8192 // 16, 1, 4, 4, 32, 4)
+    ring = kept_for_backward_bytes(shape, ulysses_size=1, team_size=1, regather_in_backward=False)
+    st2 = kept_for_backward_bytes(shape, ulysses_size=1, team_size=2, regather_in_backward=False)
+    assert st2 > ring == kept_for_backward_bytes(shape, ulysses_size=1, team_size=2, regather_in_backward=True)
+    free = {(p.ulysses_size, p.name) for p in plan(cluster, WORK, 16, transfers=("ring",))}
+    # Room for ring attention's activations only: StarTrail stays, regathering in the backward.
+    tight = plan(cluster, WORK, 16, transfers=("ring",), memory_limit_bytes=ring)
+    assert {(p.ulysses_size, p.name.replace("-regather", "")) for p in tight} == free
+    assert all(p.activation_bytes <= ring for p in tight)
+    assert [p.regather_in_backward for p in tight if p.ulysses_size == 1 and p.team_size == 2] == [True]
+    # Regathering costs time: the same configuration without it is faster when memory allows.
+    loose = {(p.ulysses_size, p.team_size): p.time_s for p in plan(cluster, WORK, 16, transfers=("ring",))}
+    assert all(p.time_s > loose[p.ulysses_size, p.team_size] for p in tight if p.regather_in_backward)
+    # Below ring attention's activations nothing fits; auto says which flag to change.
+    assert plan(cluster, WORK, 16, memory_limit_bytes=ring - 1) == []
+    with pytest.raises(ValueError, match="--startrail-memory-limit-gb"):
+        choose_team_size(cp_size=16, ulysses_size=1, gpus_per_node=8, seq_length=8192, num_heads=4, num_kv_heads=4,
+                         head_dim=32, micro_batch_size=1, dtype_bytes=4, cluster=cluster, memory_limit_bytes=ring - 1)
+
+
+def test_mla_head_dims_are_priced_separately():
+    cluster = slow_link_cluster(2, 4)
+    mla = Workload(seq_length=8192, heads=4, kv_heads=4, head_dim=48, batch=1, dtype_bytes=4, v_head_dim=16)
+    same = Workload(seq_length=8192, heads=4, kv_heads=4, head_dim=32, batch=1, dtype_bytes=4)
+    # K + V of 48 + 16 per head move as many bytes as 32 + 32; the ring attention P2P is K and V only.
+    assert predict(cluster, mla, 8, 1).internode_bytes == pytest.approx(predict(cluster, same, 8, 1).internode_bytes)

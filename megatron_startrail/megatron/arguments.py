@@ -74,6 +74,18 @@ def add_startrail_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "and installed libraries; see the README's table) or one forced by name; a forced kernel "
         "that cannot take the attention inputs stops the run with an error naming this flag.",
     )
+    group.add_argument(
+        "--startrail-regather-in-backward", action="store_true",
+        help="Keep only what ring attention keeps for the backward (this rank's q, k, v, out, lse) "
+        "and redo the team all-gather and the initial send in the backward: ring attention's "
+        "activation memory for one more team all-gather (inside a node) and initial send per layer.",
+    )
+    group.add_argument(
+        "--startrail-memory-limit-gb", type=float, default=None, metavar="GB",
+        help="Per-rank limit (1e9 bytes) for what the attention layers of a pipeline stage keep for "
+        "the backward: --startrail-team-size auto leaves out team sizes over it, and regathering "
+        "in the backward is switched on where only that makes a team size fit.",
+    )
     return parser
 
 
@@ -143,7 +155,9 @@ def validate_startrail_args(args) -> None:
             f"masking with context parallelism (documents reach attention as cu_seqlens)"
         )
     if args.startrail_team_size == AUTO:
-        args.startrail_team_size = _auto_team_size(args, heads, kv_heads)
+        _auto_plan(args, heads, kv_heads)
+    elif getattr(args, "startrail_memory_limit_gb", None) is not None:
+        _fit_memory_limit(args, heads, kv_heads)
     size = cp // u
     valid = valid_team_sizes(size)
     if args.startrail_team_size not in valid:
@@ -165,32 +179,80 @@ def _check_forced_kernel(args, heads: int, kv_heads: int) -> None:
 
     dtype = torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) \
         else torch.float32
-    if getattr(args, "multi_latent_attention", False):  # MLA: q/k = nope + rope dims, v its own
-        qk_dim, v_dim = args.qk_head_dim + args.qk_pos_emb_head_dim, args.v_head_dim
-    else:
-        qk_dim = v_dim = args.kv_channels or args.hidden_size // args.num_attention_heads
+    qk_dim, v_dim = _head_dims(args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     choose_kernel(KernelRequest(device.type, dtype, qk_dim, v_dim, max(1, heads // kv_heads),
                                 usable_backends(device)), args.startrail_kernel)
 
 
-def _auto_team_size(args, heads: int, kv_heads: int) -> int:
-    from ..planner import choose_team_size  # noqa: PLC0415 - only for auto
+def _head_dims(args) -> tuple[int, int]:
+    """(q/k head dim, v head dim) of the attention, MLA included."""
+    if getattr(args, "multi_latent_attention", False):  # MLA: q/k = nope + rope dims, v its own
+        return args.qk_head_dim + args.qk_pos_emb_head_dim, args.v_head_dim
+    dim = args.kv_channels or args.hidden_size // args.num_attention_heads
+    return dim, dim
+
+
+def _planner_inputs(args, heads: int, kv_heads: int) -> dict:
     tp = args.tensor_model_parallel_size
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size))
     # Ranks are ordered tp-cp-...: a node of N ranks holds N / TP consecutive positions of a CP group.
     cp_ranks_per_node = max(1, local_ranks // tp)
     dtype_bytes = 2 if (getattr(args, "bf16", False) or getattr(args, "fp16", False)) else 4
-    return int(
-        choose_team_size(
-            cp_size=args.context_parallel_size,
-            ulysses_size=args.ulysses_degree_in_cp,
-            gpus_per_node=cp_ranks_per_node,
-            seq_length=args.seq_length,
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=args.kv_channels or args.hidden_size // args.num_attention_heads,
-            micro_batch_size=args.micro_batch_size,
-            dtype_bytes=dtype_bytes,
-        )
+    qk_dim, v_dim = _head_dims(args)
+    limit = getattr(args, "startrail_memory_limit_gb", None)
+    return dict(
+        cp_size=args.context_parallel_size,
+        ulysses_size=args.ulysses_degree_in_cp,
+        gpus_per_node=cp_ranks_per_node,
+        seq_length=args.seq_length,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=qk_dim,
+        v_head_dim=v_dim,
+        micro_batch_size=args.micro_batch_size,
+        dtype_bytes=dtype_bytes,
+        layers=max(1, args.num_layers // getattr(args, "pipeline_model_parallel_size", 1)),
+        memory_limit_bytes=None if limit is None else int(limit * 1e9),
     )
+
+
+def _auto_plan(args, heads: int, kv_heads: int) -> None:
+    """--startrail-team-size auto: the planner's fastest team size within the memory limit;
+    regathering on when it needs it to fit."""
+    from ..planner import choose_plan  # noqa: PLC0415 - only for auto
+
+    best = choose_plan(**_planner_inputs(args, heads, kv_heads))
+    args.startrail_team_size = best.team_size
+    args.startrail_regather_in_backward = getattr(args, "startrail_regather_in_backward", False) or \
+        best.regather_in_backward
+
+
+def _fit_memory_limit(args, heads: int, kv_heads: int) -> None:
+    """A given team size under --startrail-memory-limit-gb: regather if only that fits."""
+    from ..accounting import AttentionShape, kept_for_backward_bytes  # noqa: PLC0415
+
+    inputs = _planner_inputs(args, heads, kv_heads)
+    shape = AttentionShape(args.seq_length // args.context_parallel_size, args.micro_batch_size, heads, kv_heads,
+                           inputs["head_dim"], inputs["dtype_bytes"], v_head_dim=inputs["v_head_dim"])
+    limit, c = inputs["memory_limit_bytes"], args.startrail_team_size
+    if args.context_parallel_size % args.ulysses_degree_in_cp or c not in valid_team_sizes(
+            args.context_parallel_size // args.ulysses_degree_in_cp):
+        return  # the team-size check below names the problem
+
+    def kept(regather: bool) -> int:
+        return inputs["layers"] * kept_for_backward_bytes(shape, ulysses_size=args.ulysses_degree_in_cp,
+                                                          team_size=c, regather_in_backward=regather)
+
+    if kept(args.startrail_regather_in_backward) <= limit:
+        return
+    if kept(True) > limit:
+        raise ValueError(
+            f"--startrail-team-size {c} keeps {kept(True) / 1e9:.3g} GB per rank for the backward of "
+            f"{inputs['layers']} attention layers even with --startrail-regather-in-backward, over "
+            f"--startrail-memory-limit-gb {args.startrail_memory_limit_gb:g}: raise the limit or "
+            "--context-parallel-size"
+        )
+    args.startrail_regather_in_backward = True
+
+

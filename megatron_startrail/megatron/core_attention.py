@@ -7,6 +7,12 @@ Engine GPT layer specs. Inputs are this rank's CP shard in Megatron's layout (wh
 
     query [s/CP, b, np, hn], key/value [s/CP, b, ng, hn]  ->  [s/CP, b, np * hn]
 
+Multi-Latent Attention (``MLASelfAttention``, ``--multi-latent-attention``) builds it with
+``k_channels`` = q/k head dim (``--qk-head-dim + --qk-pos-emb-head-dim``) and
+``v_channels`` = ``--v-head-dim``; value and output then have the V head dim::
+
+    query/key [s/CP, b, np, k_channels], value [s/CP, b, np, v_channels] -> [s/CP, b, np * v_channels]
+
 Packed documents (``PackedSeqParams(qkv_format="thd")``, Megatron's
 ``--dataloader-inter-document-masking`` and ``--sft``) come as one flattened sample::
 
@@ -80,6 +86,7 @@ class StarTrailCoreAttention(MegatronModule):
         *,
         startrail_groups: StarTrailGroups,
         transfer: str = "ring",
+        regather_in_backward: bool = False,
     ):
         super().__init__(config=config)
         if attention_type != "self":
@@ -103,6 +110,8 @@ class StarTrailCoreAttention(MegatronModule):
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
         self.startrail_groups = startrail_groups
         self.transfer = transfer
+        self.regather_in_backward = regather_in_backward
+        self.v_channels = v_channels  # None: value's head dim is the query's
 
     def forward(
         self,
@@ -129,11 +138,52 @@ class StarTrailCoreAttention(MegatronModule):
                 f"attention mask type {mask_type} with a mask tensor is not supported with StarTrail "
                 "(causal, or no mask)"
             )
-        # [s/CP, b, np, hn] -> [s/CP, b, np, hn]   (THD: [t/CP, np, hn] -> [t/CP, np, hn])
+        if self.v_channels is not None and value.shape[-1] != self.v_channels:
+            raise ValueError(
+                f"value head dim {value.shape[-1]} != v_channels {self.v_channels} (--v-head-dim); "
+                "StarTrail takes V at its own head dim, unpadded"
+            )
+        # [s/CP, b, np, hn] -> [s/CP, b, np, hv]   (THD: [t/CP, np, hn] -> [t/CP, np, hv])
         out = startrail_attn(
             query, key, value, self.startrail_groups,
             causal=causal, softmax_scale=self.softmax_scale, transfer=self.transfer,
             cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded,
+            regather_in_backward=self.regather_in_backward,
         )
-        # [s/CP, b, np, hn] -> [s/CP, b, np * hn]   (THD: -> [t/CP, np * hn])
+        # [s/CP, b, np, hv] -> [s/CP, b, np * hv]   (THD: -> [t/CP, np * hv])
         return out.reshape(*out.shape[:-2], -1)
+
+
+class LocalMLACoreAttention(MegatronModule):
+    """Plain causal softmax attention that takes MLA's ``k_channels``/``v_channels``, for
+    runs without context parallelism on the local spec: Megatron's local
+    ``DotProductAttention`` takes neither (megatron-core 0.19.2), so ``--multi-latent-attention``
+    without Transformer Engine (e.g. on a CPU) has no core attention otherwise::
+
+        query/key [s, b, np, k_channels], value [s, b, np, v_channels] -> [s, b, np * v_channels]
+    """
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str = "self",
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None, k_channels: int | None = None,
+                 v_channels: int | None = None):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("LocalMLACoreAttention has no context parallelism: use --context-parallel-algo startrail")
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if attn_mask_type not in _CAUSAL or dropout != 0.0:
+            raise ValueError("LocalMLACoreAttention is causal self-attention without dropout (--attention-dropout 0)")
+        self.softmax_scale = softmax_scale if softmax_scale is not None else (k_channels or config.kv_channels) ** -0.5
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("LocalMLACoreAttention takes dense [s, b, np, hn] input without bias")
+        # [s, b, np, hn] -> [b, np, s, hn], float32 scores with the causal mask
+        q, k, v = (t.permute(1, 2, 0, 3).float() for t in (query, key, value))
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.softmax_scale
+        s = scores.shape[-1]
+        scores = scores.masked_fill(~torch.ones(s, s, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+        out = torch.matmul(torch.softmax(scores, dim=-1), v).to(query.dtype)
+        # [b, np, s, hv] -> [s, b, np * hv]
+        return out.permute(2, 0, 1, 3).reshape(s, out.shape[0], -1)

@@ -3,38 +3,56 @@
 from __future__ import annotations
 
 import copy
-import functools
 
 from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.spec_utils import ModuleSpec
 
 from ..groups import StarTrailGroups
 from .core_attention import StarTrailCoreAttention
 from .packed_rope import PackedRopeSelfAttention
 
 
-def startrail_core_attention(groups: StarTrailGroups, transfer: str = "ring"):
+class CallableModuleSpec(ModuleSpec):
+    """A ``ModuleSpec`` that can also be called: ``SelfAttention`` calls its
+    ``core_attention`` with Megatron's keywords, ``MLASelfAttention`` builds it with
+    ``build_module`` (which reads ``module`` and ``params``)."""
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **self.params, **kwargs)
+
+
+def startrail_core_attention(groups: StarTrailGroups, transfer: str = "ring", regather_in_backward: bool = False):
     """The ``core_attention`` builder: Megatron calls it with its usual keywords."""
-    return functools.partial(StarTrailCoreAttention, startrail_groups=groups, transfer=transfer)
+    return CallableModuleSpec(module=StarTrailCoreAttention, params=dict(
+        startrail_groups=groups, transfer=transfer, regather_in_backward=regather_in_backward))
 
 
-def to_startrail_spec(spec, groups: StarTrailGroups, transfer: str = "ring"):
+def to_startrail_spec(spec, groups: StarTrailGroups, transfer: str = "ring", regather_in_backward: bool = False):
     """A copy of ``spec`` whose self-attention uses StarTrail core attention.
 
     Accepts a transformer-layer ``ModuleSpec`` or a block spec with ``layer_specs``
-    (what ``get_gpt_decoder_block_spec`` returns). Megatron's ``SelfAttention`` becomes
+    (what ``get_gpt_decoder_block_spec`` returns), with ``SelfAttention`` or Multi-Latent
+    Attention (``MLASelfAttention``). Megatron's ``SelfAttention`` becomes
     :class:`PackedRopeSelfAttention` (RoPE of packed documents in the sample layout; the
     same module otherwise). Everything else is unchanged.
     """
+    return with_core_attention(spec, startrail_core_attention(groups, transfer, regather_in_backward),
+                               {SelfAttention: PackedRopeSelfAttention})
+
+
+def with_core_attention(spec, core_attention, replace_attention: dict | None = None):
+    """A copy of a layer or block ``spec`` whose self-attention's core attention is
+    ``core_attention`` (a module class or builder), and whose self-attention module is
+    ``replace_attention[module]`` where listed."""
     spec = copy.copy(spec)
     if hasattr(spec, "layer_specs"):  # TransformerBlockSubmodules
-        spec.layer_specs = [to_startrail_spec(s, groups, transfer) for s in spec.layer_specs]
+        spec.layer_specs = [with_core_attention(s, core_attention, replace_attention) for s in spec.layer_specs]
         return spec
     submodules = copy.copy(spec.submodules)
     attention = copy.copy(submodules.self_attention)
-    if attention.module is SelfAttention:
-        attention.module = PackedRopeSelfAttention
+    attention.module = (replace_attention or {}).get(attention.module, attention.module)
     attention_submodules = copy.copy(attention.submodules)
-    attention_submodules.core_attention = startrail_core_attention(groups, transfer)
+    attention_submodules.core_attention = core_attention
     attention.submodules = attention_submodules
     submodules.self_attention = attention
     spec.submodules = submodules

@@ -69,8 +69,8 @@ def test_spec_helper_swaps_only_core_attention(make_spec):
     spec = make_spec()
     new = to_startrail_spec(spec, groups, transfer="multiring")
     (core,) = attention_cores(new)
-    assert core.func is StarTrailCoreAttention
-    assert core.keywords == {"startrail_groups": groups, "transfer": "multiring"}
+    assert core.module is StarTrailCoreAttention
+    assert core.params == {"startrail_groups": groups, "transfer": "multiring", "regather_in_backward": False}
     assert attention_cores(spec) == [DotProductAttention]  # the original is untouched
     old_attn, new_attn = spec.submodules.self_attention, new.submodules.self_attention
     assert new_attn.params == old_attn.params
@@ -85,7 +85,7 @@ def test_spec_helper_on_a_decoder_block_spec():
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, pp_rank=0)
     groups = object()
     cores = attention_cores(to_startrail_spec(block, groups))
-    assert len(cores) == 3 and all(c.func is StarTrailCoreAttention and c.keywords["startrail_groups"] is groups
+    assert len(cores) == 3 and all(c.module is StarTrailCoreAttention and c.params["startrail_groups"] is groups
                                    for c in cores)
     assert attention_cores(block) == [DotProductAttention] * 3
 

@@ -62,6 +62,22 @@ def test_startrail_cp4_logs_the_losses_of_cp1(grid):
     assert reference[-1] < reference[0]  # it learns
 
 
+# DeepSeek-style MLA at toy size: q/k head dim 32 + 16 (RoPE part), v head dim 16.
+MLA = ["--multi-latent-attention", "--qk-head-dim", "32", "--qk-pos-emb-head-dim", "16", "--v-head-dim", "16",
+       "--kv-lora-rank", "32", "--rope-type", "rope"]  # yarn's RoPE table needs a GPU in megatron-core 0.19.2
+
+
+def test_mla_startrail_cp4_with_and_without_regathering_logs_the_losses_of_cp1():
+    reference = losses(1, *MLA, "--context-parallel-size", "1")
+    startrail = ["--context-parallel-size", "4", "--context-parallel-algo", "startrail", "--startrail-team-size", "2"]
+    for extra in ([], ["--startrail-regather-in-backward"]):
+        got = losses(4, *MLA, *startrail, *extra)
+        assert all(math.isfinite(x) for x in got + reference)
+        for g, want in zip(got, reference):
+            assert abs(g - want) <= 1e-4 * want, (extra, got, reference)
+    assert reference[-1] < reference[0]
+
+
 def test_tokens_per_second_is_read_off_megatrons_line():
     from megatron_startrail.megatron.training_log import with_tokens_per_second
 
