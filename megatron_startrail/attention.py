@@ -33,7 +33,7 @@ import torch
 
 from . import blocks
 from .accounting import AttentionShape, choose_backward_rotation
-from .comm import CommStats, Communicator
+from .comm import CommStats, Communicator, PendingCollective
 from .documents import agree_on_documents
 from .groups import StarTrailGroups
 from .kernels import check_kernel, kernel_for
@@ -61,27 +61,29 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 # -- the phases; the forward runs 1-4, the backward re-runs 1-2 when regathering ------------
 
 
-def _gather_team(comm: Communicator, groups: StarTrailGroups, q, k, v, *, op: str):
-    """Phase 1, team all-gather: ``q [n, b, h, dqk]``, ``k [n, b, hkv, dqk]``,
-    ``v [n, b, hkv, dv]`` -> ``q_team [C*n, b, h, dqk]``, ``kv_team [C*n, b, hkv, dqk + dv]``.
+def _gather_team_and_send(comm: Communicator, groups: StarTrailGroups, q, k, v, *, gather_op: str, send_op: str):
+    """Phases 1-2, overlapped. Team all-gather: ``q [n, b, h, dqk]``, ``k [n, b, hkv, dqk]``,
+    ``v [n, b, hkv, dv]`` -> ``q_team [C*n, b, h, dqk]``, ``kv_team [C*n, b, hkv, dqk + dv]``;
+    initial send (paper Alg. 2) of ``kv_team`` to ``init_send_dst``. Returns ``q_team`` and
+    ``kv_init``, what this rank starts the sub-ring with (``kv_team`` itself when the send
+    maps the rank to itself).
 
-    K and V travel side by side in the last dim, so V keeps its own head dim (MLA)."""
+    Both gathers start at once, K, V first: the initial send needs only them, so it goes
+    out while Q is still being gathered. K and V travel side by side in the last dim, so
+    V keeps its own head dim (MLA)."""
     c = groups.team_size
-    q_team = comm.all_gather(q, groups.team_group, c, op=op)
-    kv_team = comm.all_gather(torch.cat([k, v], dim=-1), groups.team_group, c, op=op)
-    return q_team, kv_team
-
-
-def _initial_send(comm: Communicator, groups: StarTrailGroups, kv_team: torch.Tensor, *, op: str) -> torch.Tensor:
-    """Phase 2 (paper Alg. 2): the team's K, V to ``init_send_dst``; returns what this rank
-    starts the sub-ring with (``kv_team`` itself when the send maps the rank to itself)."""
+    kv_gather = comm.all_gather(torch.cat([k, v], dim=-1), groups.team_group, c, op=gather_op, wait=False)
+    q_gather = comm.all_gather(q, groups.team_group, c, op=gather_op, wait=False)
+    kv_team = kv_gather.wait()
     topo, pos = groups.topology, groups.startrail_rank
     dst, src = topo.init_send_dst(pos), topo.init_send_src(pos)
     if dst == pos:
-        return kv_team
+        return q_gather.wait(), kv_team
     kv_init = torch.empty_like(kv_team)
-    comm.post([(kv_team, dst)], [(kv_init, src)], op=op).wait()
-    return kv_init
+    send = comm.post([(kv_team, dst)], [(kv_init, src)], op=send_op)
+    q_team = q_gather.wait()
+    send.wait()
+    return q_team, kv_init
 
 
 def _sub_ring_forward(comm, groups, docs, kernel, transfer, q_team, kv_init, *, causal, scale):
@@ -121,9 +123,10 @@ def _team_merge(comm, groups, acc_out, acc_lse, dtype):
         # [b, h, C*n, dv] -> [C (destination member), b, h, n, dv]
         parts = acc_out.view(b, h, c, n, dv).permute(2, 0, 1, 3, 4).to(dtype)
         part_lse = acc_lse.view(b, h, c, n).permute(2, 0, 1, 3)
-        parts = comm.all_to_all(parts, groups.team_group, c, op="team_merge")
-        part_lse = comm.all_to_all(part_lse, groups.team_group, c, op="team_merge")
-        out, lse = blocks.merge_partials(parts, part_lse)
+        # Both exchanges fly at once.
+        parts = comm.all_to_all(parts, groups.team_group, c, op="team_merge", wait=False)
+        part_lse = comm.all_to_all(part_lse, groups.team_group, c, op="team_merge", wait=False)
+        out, lse = blocks.merge_partials(parts.wait(), part_lse.wait())
     out = out.permute(2, 0, 1, 3).to(dtype).contiguous()  # [n, b, h, dv]
     lse = lse.permute(2, 0, 1).contiguous()  # [n, b, h]: sequence first, for the gather
     return out, lse
@@ -151,9 +154,8 @@ class _StarTrailAttention(torch.autograd.Function):
         # q [n, b, h, dqk], k [n, b, hkv, dqk], v [n, b, hkv, dv]; n = len(my chunks) * L
         kernel = kernel_for(q, k, v, groups.kernel)
         comm = Communicator(fwd_stats, groups.startrail_group, groups.startrail_global_ranks, timeline)
-        q_team, kv_team = _gather_team(comm, groups, q, k, v, op="team_all_gather")
-        kv_init = _initial_send(comm, groups, kv_team, op="init_send")
-        del kv_team
+        q_team, kv_init = _gather_team_and_send(comm, groups, q, k, v, gather_op="team_all_gather",
+                                                send_op="init_send")
         acc_out, acc_lse = _sub_ring_forward(comm, groups, docs, kernel, transfer, q_team, kv_init,
                                              causal=causal, scale=scale)
         out, lse = _team_merge(comm, groups, acc_out, acc_lse, q.dtype)
@@ -173,9 +175,8 @@ class _StarTrailAttention(torch.autograd.Function):
         comm = Communicator(ctx.bwd_stats, groups.startrail_group, groups.startrail_global_ranks, ctx.timeline)
         if ctx.regather:  # phases 1-2 again, on this rank's q, k, v
             q, k, v, out, lse = ctx.saved_tensors
-            q_team, kv_team = _gather_team(comm, groups, q, k, v, op="regather_team_all_gather")
-            kv_init = _initial_send(comm, groups, kv_team, op="regather_init_send")
-            del kv_team
+            q_team, kv_init = _gather_team_and_send(comm, groups, q, k, v, gather_op="regather_team_all_gather",
+                                                    send_op="regather_init_send")
         else:
             q_team, kv_init, out, lse = ctx.saved_tensors
         dtype, dqk = q_team.dtype, q_team.shape[-1]
@@ -183,10 +184,11 @@ class _StarTrailAttention(torch.autograd.Function):
         del q_team
         dq_team, dkv_init = _sub_ring_backward(comm, groups, docs, ctx.kernel, ctx.transfer, ctx.rotation,
                                                q_side, lse_team, kv_init, dqk, causal=ctx.causal, scale=ctx.scale)
-        dkv_team = _initial_send_reverse(comm, groups, dkv_init)
-        # team reduce-scatter (float32): every member keeps its own rows
+        # dK, dV go back along the reverse of the initial send while dQ is reduce-scattered
+        # in the team (float32): every member keeps its own rows.
+        dkv_back = _initial_send_reverse(comm, groups, dkv_init)
         dq = comm.reduce_scatter(dq_team, groups.team_group, groups.team_size, op="team_reduce_scatter")
-        dkv = comm.reduce_scatter(dkv_team, groups.team_group, groups.team_size, op="team_reduce_scatter")
+        dkv = comm.reduce_scatter(dkv_back.wait(), groups.team_group, groups.team_size, op="team_reduce_scatter")
         dk, dv = dkv[..., :dqk].to(dtype), dkv[..., dqk:].to(dtype)
         return (dq.to(dtype), dk, dv) + (None,) * 10
 
@@ -198,9 +200,9 @@ def _gather_query_side(comm, groups, q_team, dout, out, lse):
     """Team all-gather of the query-side inputs of the block backward: returns
     ``q_side [C*n, b, h, dqk + 2 dv]`` (q | dO | out side by side) and ``lse_team [C*n, b, h]``."""
     c = groups.team_size
-    do_out = comm.all_gather(torch.cat([dout, out], dim=-1), groups.team_group, c, op="team_all_gather")
-    lse_team = comm.all_gather(lse, groups.team_group, c, op="team_all_gather")
-    return torch.cat([q_team, do_out], dim=-1), lse_team
+    do_out = comm.all_gather(torch.cat([dout, out], dim=-1), groups.team_group, c, op="team_all_gather", wait=False)
+    lse_team = comm.all_gather(lse, groups.team_group, c, op="team_all_gather", wait=False)  # both fly at once
+    return torch.cat([q_team, do_out.wait()], dim=-1), lse_team.wait()
 
 
 def _sub_ring_backward(comm, groups, docs, kernel, transfer, rotation, q_side, lse_team, kv_init, dqk, *,
@@ -254,15 +256,14 @@ def _sub_ring_backward(comm, groups, docs, kernel, transfer, rotation, q_side, l
     return dq_team, kv_rot.join([lane_acc[0] for lane_acc in home])
 
 
-def _initial_send_reverse(comm, groups, dkv_init):
-    """dK, dV go back along the reverse of the initial send."""
+def _initial_send_reverse(comm, groups, dkv_init) -> PendingCollective:
+    """dK, dV go back along the reverse of the initial send (started; ``wait()`` returns them)."""
     topo, pos = groups.topology, groups.startrail_rank
     dst, src = topo.init_send_dst(pos), topo.init_send_src(pos)
     if dst == pos:
-        return dkv_init
+        return PendingCollective(None, dkv_init)
     dkv_team = torch.empty_like(dkv_init)
-    comm.post([(dkv_init, src)], [(dkv_team, dst)], op="init_send_reverse").wait()
-    return dkv_team
+    return PendingCollective(comm.post([(dkv_init, src)], [(dkv_team, dst)], op="init_send_reverse"), dkv_team)
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: StarTrailGroups) -> None:
