@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_startrail.layout import zigzag_chunks
+from megatron_startrail.layout import plan_blocks, zigzag_chunks
 
 # Max |error| / max |reference| allowed per input dtype (the output and each gradient).
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
@@ -48,3 +48,19 @@ def local_rows(x, cp_rank, cp_size):
 
 def relative_error(got, want):
     return ((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
+def plan_coverage(q_segments, k_segments, causal):
+    """How many times each (query row, key row) pair of local storage is computed."""
+    q_total = sum(b - a for _, a, b in q_segments)
+    k_total = sum(b - a for _, a, b in k_segments)
+    count = torch.zeros(q_total, k_total, dtype=torch.int64)
+    for block in plan_blocks(q_segments, k_segments, causal):
+        q0, q1 = block.q_rows
+        cols = torch.cat([torch.arange(a, b) for a, b in block.k_rows])
+        sub = torch.ones(q1 - q0, len(cols), dtype=torch.int64)
+        if block.causal:
+            assert q1 - q0 == len(cols), "causal blocks must be square"
+            sub = sub.tril()
+        count[q0:q1, cols] += sub
+    return count

@@ -13,7 +13,7 @@ from megatron_startrail.layout import (
     whole_chunks,
     zigzag_chunks,
 )
-from tests.attention_cases import TOLERANCE, reference_with_grads, relative_error
+from tests.attention_cases import TOLERANCE, plan_coverage, reference_with_grads, relative_error
 
 KERNELS = [ReferenceKernel(), TorchCPUFlashKernel()]
 
@@ -97,22 +97,6 @@ def test_merge_gives_rows_without_keys_zero_weight_not_nan():
     assert merged_lse[0, 0, 1].item() == float("-inf")
 
 
-def _coverage(q_segments, k_segments, causal):
-    """How many times each (query row, key row) pair of local storage is computed."""
-    q_total = sum(b - a for _, a, b in q_segments)
-    k_total = sum(b - a for _, a, b in k_segments)
-    count = torch.zeros(q_total, k_total, dtype=torch.int64)
-    for block in plan_blocks(q_segments, k_segments, causal):
-        q0, q1 = block.q_rows
-        cols = torch.cat([torch.arange(a, b) for a, b in block.k_rows])
-        sub = torch.ones(q1 - q0, len(cols), dtype=torch.int64)
-        if block.causal:
-            assert q1 - q0 == len(cols), "causal blocks must be square"
-            sub = sub.tril()
-        count[q0:q1, cols] += sub
-    return count
-
-
 def _positions(segments):
     return torch.tensor([t for _, a, b in segments for t in range(a, b)])
 
@@ -135,7 +119,7 @@ def test_plan_covers_exactly_the_visible_pairs(seed):
     for causal in (True, False):
         qp, kp = _positions(q_segments), _positions(k_segments)
         visible = (kp[None, :] <= qp[:, None]) if causal else torch.ones(len(qp), len(kp), dtype=torch.bool)
-        assert torch.equal(_coverage(q_segments, k_segments, causal), visible.long())
+        assert torch.equal(plan_coverage(q_segments, k_segments, causal), visible.long())
 
 
 def test_causal_plan_matches_the_chunk_picture():
@@ -170,7 +154,7 @@ def test_zigzag_pairs_balance_causal_work(cp):
     for x in range(cp):
         for y in range(cp):
             q, k = whole_chunks(zigzag_chunks(x, cp), chunk_len), whole_chunks(zigzag_chunks(y, cp), chunk_len)
-            work = _coverage(q, k, True).sum().item()
+            work = plan_coverage(q, k, True).sum().item()
             assert work == 2 * chunk_len**2 + (chunk_len if x == y else 0)
 
 

@@ -22,10 +22,9 @@ from megatron_startrail.layout import (
     cp_rank_segments,
     dense_sequence,
     documents_from_cu_seqlens,
-    plan_blocks,
     rows_of_cp_ranks,
 )
-from tests.attention_cases import TOLERANCE, full_inputs, relative_error
+from tests.attention_cases import TOLERANCE, full_inputs, plan_coverage, relative_error
 from tests.multiproc import run_ranks
 from tests.packed_cases import (
     PAD,
@@ -70,20 +69,6 @@ def test_docstring_example_of_the_document_layout():
     assert cp_rank_segments(docs, 1) == ((0, 1, 2), (0, 2, 3), (1, 6, 8), (1, 8, 9), (PADDING, 9, 10))
 
 
-def _coverage(q_segments, k_segments, causal):
-    rows = lambda segs: sum(b - a for _, a, b in segs)  # noqa: E731
-    count = torch.zeros(rows(q_segments), rows(k_segments), dtype=torch.int64)
-    for block in plan_blocks(q_segments, k_segments, causal):
-        q0, q1 = block.q_rows
-        cols = torch.cat([torch.arange(a, b) for a, b in block.k_rows])
-        sub = torch.ones(q1 - q0, len(cols), dtype=torch.int64)
-        if block.causal:
-            assert q1 - q0 == len(cols), "causal blocks must be square"
-            sub = sub.tril()
-        count[q0:q1, cols] += sub
-    return count
-
-
 @pytest.mark.parametrize("layout", ["sample", "document"])
 @pytest.mark.parametrize("cp", [2, 4])
 def test_plan_covers_exactly_the_same_document_pairs(cp, layout):
@@ -99,7 +84,7 @@ def test_plan_covers_exactly_the_same_document_pairs(cp, layout):
         same = (qd[:, None] == kd[None, :]) & (qd[:, None] != PADDING)
         for causal in (True, False):
             want = same & (kp[None, :] <= qp[:, None]) if causal else same
-            assert torch.equal(_coverage(q_segs, k_segs, causal), want.long()), (qs, ks, causal)
+            assert torch.equal(plan_coverage(q_segs, k_segs, causal), want.long()), (qs, ks, causal)
 
 
 def test_empty_documents_hold_no_rows():

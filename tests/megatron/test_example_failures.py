@@ -12,7 +12,6 @@ the example initializes it itself from RANK / WORLD_SIZE / MASTER_ADDR / MASTER_
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import multiprocessing as mp
 import os
@@ -23,12 +22,8 @@ import time
 import pytest
 import torch.distributed as dist
 
-from tests.megatron.utils import cpu_patches  # noqa: F401  (import shims before megatron.training)
+from tests.megatron.example import pretrain_gpt
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_spec = importlib.util.spec_from_file_location("pretrain_gpt", os.path.join(ROOT, "examples", "pretrain_gpt.py"))
-pretrain_gpt = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(pretrain_gpt)  # imported here so that forked ranks inherit it
 
 COMMON = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",

@@ -6,7 +6,6 @@ per-document mask (--reset-attention-mask --reset-position-ids) at CP 1."""
 
 import argparse
 import contextlib
-import importlib.util
 import io
 import math
 import os
@@ -15,13 +14,9 @@ import re
 import pytest
 import torch
 
-from tests.megatron.utils import cpu_patches  # noqa: F401  (import shims before megatron.training)
+from tests.megatron.example import pretrain_gpt, run_example_rank
 from tests.multiproc import run_ranks
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_spec = importlib.util.spec_from_file_location("pretrain_gpt", os.path.join(ROOT, "examples", "pretrain_gpt.py"))
-pretrain_gpt = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(pretrain_gpt)  # imported here so that forked ranks inherit it
 
 COMMON = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
@@ -32,12 +27,8 @@ LOG_LINE = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|.* lm loss: ([0-9.E+-]+) \|
 
 
 def example_worker(rank, world_size, argv):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size))
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        pretrain_gpt.main(argv)
-    return [(int(m[1]), int(m[2]), float(m[3]), float(m[4])) for m in LOG_LINE.finditer(out.getvalue())]
+    log = run_example_rank(rank, world_size, argv)
+    return [(int(m[1]), int(m[2]), float(m[3]), float(m[4])) for m in LOG_LINE.finditer(log)]
 
 
 def losses(world_size, *flags, iters=4):

@@ -7,22 +7,15 @@ Only the example's defaults and Megatron's standard flags are used, so the test 
 depend on the example's data pipeline.
 """
 
-import contextlib
-import importlib.util
-import io
 import os
 import queue
 import re
 
 import pytest
 
-from tests.megatron.utils import cpu_patches  # noqa: F401  (import shims before megatron.training)
+from tests.megatron.example import run_example_rank
 from tests.multiproc import run_ranks
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_spec = importlib.util.spec_from_file_location("pretrain_gpt", os.path.join(ROOT, "examples", "pretrain_gpt.py"))
-pretrain_gpt = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(pretrain_gpt)  # imported here so that forked ranks inherit it
 
 ITERS, INTERRUPT_AT = 6, 3
 COMMON = [
@@ -40,8 +33,6 @@ LOG_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.* lm loss: ([0-9.E+-]+) \|.*
 
 def resume_worker(rank, world_size, argv):
     """One rank of the example; returns the (iteration, lm loss, grad norm) strings it logged."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size))
     # torch_dist saving collects its writer threads' results in a queue that Megatron creates
     # through a spawned multiprocessing Manager; a forked test rank is a daemon process and may
     # not start one. The save runs synchronously in this process (threads only), so a plain
@@ -49,14 +40,7 @@ def resume_worker(rank, world_size, argv):
     from megatron.core.dist_checkpointing.strategies import filesystem_async  # noqa: PLC0415
 
     filesystem_async._results_queue = queue.Queue()
-    out = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(out):
-            pretrain_gpt.main(argv)
-    except SystemExit as e:  # --exit-interval ends the run with sys.exit(0) after saving
-        if e.code not in (0, None):
-            raise
-    return [m.groups() for m in LOG_LINE.finditer(out.getvalue())]
+    return [m.groups() for m in LOG_LINE.finditer(run_example_rank(rank, world_size, argv))]
 
 
 def run(world_size, *flags):

@@ -1,0 +1,35 @@
+"""examples/pretrain_gpt.py as a module, and one rank of it run inside a forked test rank.
+
+Imported in the pytest process (after the CPU import shims) so that forked ranks inherit
+the example and megatron.training instead of importing them again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import os
+
+from tests.megatron.utils import cpu_patches  # noqa: F401  (import shims before megatron.training)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_spec = importlib.util.spec_from_file_location("pretrain_gpt", os.path.join(ROOT, "examples", "pretrain_gpt.py"))
+pretrain_gpt = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(pretrain_gpt)
+
+
+def run_example_rank(rank: int, world_size: int, argv: list[str]) -> str:
+    """Run the example as rank ``rank`` of ``world_size`` (in an initialized gloo world);
+    return what it printed (Megatron's log lines). A run that Megatron ends with
+    ``sys.exit(0)`` (``--exit-interval``, after saving) counts as finished."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            pretrain_gpt.main(argv)
+    except SystemExit as e:
+        if e.code not in (0, None):
+            raise
+    return out.getvalue()
