@@ -59,7 +59,7 @@ def predictions(args, rate_mbit: float, configs: list[dict], calibration: dict) 
             out[c["name"]] = 1000 * predict_torch_ring(cluster, work, world, c["rotate_method"])
         else:
             out[c["name"]] = 1000 * predict(cluster, work, world, c["team_size"], c["ulysses"], c["transfer"],
-                                            c["regather"]).time_s
+                                            c.get("regather", False)).time_s
     return out
 
 

@@ -41,21 +41,22 @@ def load(paths: list[str]) -> list[dict]:
 
 
 def cluster_key(r: dict) -> tuple:
-    return (r["nodes"], r["ranks_per_node"], r["seq_length"], r["rate_mbit"])
+    return (r["nodes"], r["ranks_per_node"], r["seq_length"], r["rate_mbit"], r["source"])
 
 
 def report(rows: list[dict]) -> str:
-    lines = ["| cluster | seq | link Mbit/s | configuration | measured ms | predicted ms | error | within 20% |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| run | cluster | seq | link Mbit/s | configuration | measured ms | predicted ms | error | within 20% |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         err = r["predicted_ms"] / r["time_ms_median"] - 1
-        lines.append(f"| {r['nodes']}x{r['ranks_per_node']} | {r['seq_length']} | {r['rate_mbit']:g} | {r['name']} | "
+        lines.append(f"| {r['source'][:-5]} | {r['nodes']}x{r['ranks_per_node']} | {r['seq_length']} | {r['rate_mbit']:g} "
+                     f"| {r['name']} | "
                      f"{r['time_ms_median']:.0f} | {r['predicted_ms']:.0f} | {100 * err:+.0f}% | "
                      f"{'yes' if abs(err) <= TOLERANCE else 'no'} |")
-    lines += ["", "| cluster | seq | link Mbit/s | measured ranking (fastest first) | predicted ranking | match "
+    lines += ["", "| run | cluster | seq | link Mbit/s | measured ranking (fastest first) | predicted ranking | match "
                   "| match among the project's configurations (what the planner chooses from) "
                   "| measured: eff. inter-node MB/s, intra MB/s, GFLOP/s per rank, overlap, step latency ms |",
-              "|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|"]
     for key in dict.fromkeys(cluster_key(r) for r in rows):
         group = [r for r in rows if cluster_key(r) == key]
         measured = [r["name"] for r in sorted(group, key=lambda r: r["time_ms_median"])]
@@ -63,7 +64,7 @@ def report(rows: list[dict]) -> str:
         cal = group[0]["calibration"]
         ours = [n for n in measured if not n.startswith("torch-")] == [n for n in predicted if not n.startswith("torch-")]
         lines.append(
-            f"| {key[0]}x{key[1]} | {key[2]} | {key[3]:g} | {' < '.join(measured)} | {' < '.join(predicted)} | "
+            f"| {key[4][:-5]} | {key[0]}x{key[1]} | {key[2]} | {key[3]:g} | {' < '.join(measured)} | {' < '.join(predicted)} | "
             f"{'yes' if measured == predicted else 'no'} | {'yes' if ours else 'no'} | "
             f"{1e3 * cal.get('inter_node_gbs', 0):.1f}, "
             f"{1e3 * cal.get('intra_node_gbs', 0):.0f}, {1e3 * cal['attention_tflops']:.1f}, "
