@@ -97,7 +97,8 @@ def main() -> None:
             kept = step()
             end = time.perf_counter()
             phases.append(timeline.phase_seconds(start, end))
-            spans.append([(op, a - start, b - start) for op, a, b in timeline.spans] + [("end", end - start, end - start)])
+            spans.append([(op, a - start, b - start) for op, a, b in timeline.spans]
+                         + [("end", end - start, end - start)])
             elapsed = torch.tensor([end - start])
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # an iteration ends when the slowest rank does
             times.append(elapsed.item())

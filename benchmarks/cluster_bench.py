@@ -79,7 +79,8 @@ def parse_config(name: str) -> dict:
     each optionally followed by ``-regather`` (``regather_in_backward=True``); ``torch-cp`` (PyTorch's ring
     attention, its default all-gather rotation) | ``torch-cp-alltoall``."""
     if name in ("torch-cp", "torch-cp-alltoall"):
-        return {"name": name, "impl": "torch", "rotate_method": "alltoall" if name.endswith("alltoall") else "allgather",
+        return {"name": name, "impl": "torch",
+                "rotate_method": "alltoall" if name.endswith("alltoall") else "allgather",
                 "team_size": 1, "ulysses": 1, "transfer": "ring", "regather": False}
     config = {"name": name, "impl": "startrail", "team_size": 1, "ulysses": 1, "transfer": "ring", "regather": False}
     if name.endswith("-regather"):
@@ -132,7 +133,8 @@ def run_once(args, rate_mbit: float, configs: list[dict]) -> list[dict]:
 def table(results: list[dict]) -> str:
     """One row per (link rate, configuration); speed-up is over PyTorch's ring (``torch-cp``,
     its default rotation) at the same rate, when it ran."""
-    head = ("| link Mbit/s | configuration | time/iter ms | speed-up over torch-cp | predicted ms | predicted / measured "
+    head = ("| link Mbit/s | configuration | time/iter ms | speed-up over torch-cp | predicted ms "
+            "| predicted / measured "
             "| P2P MiB/rank | collective MiB/rank | inter-node MiB (accounting) | inter-node MiB (kernel) "
             "| steps fwd/bwd | kept for bwd MiB/rank | peak live MiB/rank |")
     lines = [head, "|" + "---|" * 13]

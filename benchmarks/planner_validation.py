@@ -49,8 +49,8 @@ def report(rows: list[dict]) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         err = r["predicted_ms"] / r["time_ms_median"] - 1
-        lines.append(f"| {r['source'][:-5]} | {r['nodes']}x{r['ranks_per_node']} | {r['seq_length']} | {r['rate_mbit']:g} "
-                     f"| {r['name']} | "
+        lines.append(f"| {r['source'][:-5]} | {r['nodes']}x{r['ranks_per_node']} | {r['seq_length']} "
+                     f"| {r['rate_mbit']:g} | {r['name']} | "
                      f"{r['time_ms_median']:.0f} | {r['predicted_ms']:.0f} | {100 * err:+.0f}% | "
                      f"{'yes' if abs(err) <= TOLERANCE else 'no'} |")
     lines += ["", "| run | cluster | seq | link Mbit/s | measured ranking (fastest first) | predicted ranking | match "
@@ -62,9 +62,11 @@ def report(rows: list[dict]) -> str:
         measured = [r["name"] for r in sorted(group, key=lambda r: r["time_ms_median"])]
         predicted = [r["name"] for r in sorted(group, key=lambda r: r["predicted_ms"])]
         cal = group[0]["calibration"]
-        ours = [n for n in measured if not n.startswith("torch-")] == [n for n in predicted if not n.startswith("torch-")]
+        ours = [n for n in measured if not n.startswith("torch-")] == [
+            n for n in predicted if not n.startswith("torch-")]
         lines.append(
-            f"| {key[4][:-5]} | {key[0]}x{key[1]} | {key[2]} | {key[3]:g} | {' < '.join(measured)} | {' < '.join(predicted)} | "
+            f"| {key[4][:-5]} | {key[0]}x{key[1]} | {key[2]} | {key[3]:g} | {' < '.join(measured)} | "
+            f"{' < '.join(predicted)} | "
             f"{'yes' if measured == predicted else 'no'} | {'yes' if ours else 'no'} | "
             f"{1e3 * cal.get('inter_node_gbs', 0):.1f}, "
             f"{1e3 * cal.get('intra_node_gbs', 0):.0f}, {1e3 * cal['attention_tflops']:.1f}, "
