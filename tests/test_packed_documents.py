@@ -267,6 +267,8 @@ def error_worker(rank, world_size, case):
         padded = torch.tensor([0, 6, total], dtype=torch.int32)  # span 6, 2*CP = 4
     elif case == "differ":
         cu = torch.tensor([0, 4 + rank, total], dtype=torch.int32)
+    elif case == "differ_same_moments":  # equal sum(cu) and sum(i * cu): the check must still see it
+        cu = torch.tensor([0, 1, 4, 5, total] if rank == 0 else [0, 2, 2, 6, total], dtype=torch.int32)
     elif case == "one_rank_bad":
         cu = torch.tensor([0, 6, 3, total] if rank == 1 else [0, 4, total], dtype=torch.int32)
     q, k, v = (torch.randn(local, 1, HEADS, DIM) for _ in range(3))
@@ -282,6 +284,7 @@ def error_worker(rank, world_size, case):
     ("last_entry", r"cu_seqlens\[-1\] = 18 must equal the tokens"),
     ("span", r"divisible by 2 \* --context-parallel-size = 4"),
     ("differ", "differ across the 2 context-parallel ranks"),
+    ("differ_same_moments", "differ across the 2 context-parallel ranks"),
     ("one_rank_bad", "non-decreasing|another context-parallel rank rejected"),
 ])
 def test_bad_input_raises_on_every_rank_before_communicating(case, message):
