@@ -83,8 +83,10 @@ def add_startrail_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     group.add_argument(
         "--startrail-memory-limit-gb", type=float, default=None, metavar="GB",
         help="Per-rank limit (1e9 bytes) for what the attention layers of a pipeline stage keep for "
-        "the backward: --startrail-team-size auto leaves out team sizes over it, and regathering "
-        "in the backward is switched on where only that makes a team size fit.",
+        "the backward of ONE micro-batch (with 1F1B a stage holds up to --pipeline-model-parallel-size "
+        "micro-batches: divide your budget accordingly): --startrail-team-size auto leaves out team "
+        "sizes over it, and regathering in the backward is switched on where only that makes a team "
+        "size fit.",
     )
     return parser
 
@@ -110,6 +112,16 @@ def validate_startrail_args(args) -> None:
         raise ValueError(
             f"--context-parallel-algo {algo} needs --context-parallel-size > 1 "
             f"(got {cp}); for a run without context parallelism use --context-parallel-algo megatron"
+        )
+    if getattr(args, "multi_latent_attention", False) and (
+        getattr(args, "dataloader_inter_document_masking", False) or getattr(args, "sft", False)
+    ):
+        # Megatron's MLA pads V to the q/k head dim for packed (THD) input and applies its
+        # per-document-zigzag THD RoPE, which is wrong for the whole-sample zigzag of
+        # pretraining; StarTrail replaces that RoPE for SelfAttention only.
+        raise ValueError(
+            f"--multi-latent-attention with packed documents (--dataloader-inter-document-masking / --sft) "
+            f"is not supported with --context-parallel-algo {algo}: drop one of them"
         )
     if algo == "tasp":
         if args.startrail_team_size not in (AUTO, 1):

@@ -107,6 +107,8 @@ def test_memory_limit_turns_on_regathering_when_only_that_fits(monkeypatch):
         # what the StarTrail core attention cannot do
         (["--context-parallel-size", "4", "--attention-dropout", "0.1"], "--attention-dropout 0"),
         (["--context-parallel-size", "4", "--reset-attention-mask"], "--dataloader-inter-document-masking"),
+        (["--context-parallel-size", "4", "--multi-latent-attention", "--dataloader-inter-document-masking"],
+         "--multi-latent-attention with packed documents"),
         (["--context-parallel-size", "4", "--hierarchical-context-parallel-sizes", "2", "2"],
          "--ulysses-degree-in-cp U instead"),
     ],
