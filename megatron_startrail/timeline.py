@@ -19,8 +19,9 @@ from contextlib import contextmanager
 
 # Phase of the schedule -> op names whose waits it covers (forward and backward).
 PHASES = {
-    "team gather": ("team_all_gather",),
-    "initial send": ("init_send", "init_send_reverse"),
+    "team gather": ("team_all_gather", "regather_team_all_gather"),
+    "initial send": ("init_send", "init_send_reverse", "regather_init_send"),
+    "document check": ("document_check",),
     "ring wait": ("sub_ring", "sub_ring_grad"),
     "merge": ("team_merge", "team_reduce_scatter"),
     "ulysses": ("ulysses_all_to_all",),
