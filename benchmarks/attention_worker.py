@@ -1,7 +1,8 @@
 """One rank of the attention benchmark (started by benchmarks/cluster_bench.py).
 
 First measures the planner's inputs on this cluster (benchmarks/calibration.py). Then
-runs forward+backward of each configuration -- ``startrail_attn`` or PyTorch's ring
+runs forward+backward of each configuration (timed iterations interleaved: round ``i``
+runs every configuration once) -- ``startrail_attn`` or PyTorch's ring
 attention (benchmarks/torch_cp_peer.py) -- times it, records per rank where the time of
 each iteration went (a :class:`~megatron_startrail.timeline.Timeline`: blocked in which
 communication, the rest compute), measures the bytes kept for backward (saved tensors,
@@ -45,6 +46,96 @@ def node_tx_bytes(links: list[str]) -> int:
     return total
 
 
+class ConfigRun:
+    """One configuration of the benchmark on this rank: its attention, its timed
+    iterations (time, where it went, bytes that crossed nodes) and its summary row."""
+
+    def __init__(self, config: dict, w: dict, q0, k0, v0, dout, timeline: Timeline) -> None:
+        self.config, self.w, self.inputs, self.dout, self.timeline = config, w, (q0, k0, v0), dout, timeline
+        self.torch_peer = config.get("impl") == "torch"
+        self.groups = None if self.torch_peer else new_startrail_groups(team_size=config["team_size"],
+                                                                         ulysses_size=config.get("ulysses", 1))
+        self.times, self.phases, self.spans, self.tx_bytes, self.kept, self.peak = [], [], [], 0, 0, 0
+
+    def attention(self, q, k, v):
+        c, w = self.config, self.w
+        if self.torch_peer:
+            return torch_ring_attn(q, k, v, dist.group.WORLD, causal=w["causal"], rotate_method=c["rotate_method"])
+        return startrail_attn(q, k, v, self.groups, causal=w["causal"], transfer=c.get("transfer", "ring"),
+                              regather_in_backward=c.get("regather", False), timeline=self.timeline)
+
+    def step(self) -> int:
+        """Forward + backward; returns the bytes kept for backward (inputs excluded)."""
+        q, k, v = (t.clone().requires_grad_(True) for t in self.inputs)
+        out, kept = saved_bytes(lambda: self.attention(q, k, v), exclude=(q, k, v))
+        out.backward(self.dout)
+        return kept
+
+    def timed_iteration(self, links: list[str]) -> None:
+        """One timed forward+backward, all ranks starting together; ``links``: this node's
+        inter-node interfaces when this rank counts the node's bytes (else empty)."""
+        dist.barrier()
+        tx0 = node_tx_bytes(links)
+        self.timeline.clear()
+        start = time.perf_counter()
+        self.kept = self.step()
+        end = time.perf_counter()
+        self.phases.append(self.timeline.phase_seconds(start, end))
+        self.spans.append([(op, a - start, b - start) for op, a, b in self.timeline.spans]
+                          + [("end", end - start, end - start)])
+        elapsed = torch.tensor([end - start])
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # an iteration ends when the slowest rank does
+        self.times.append(elapsed.item())
+        self.tx_bytes += node_tx_bytes(links) - tx0  # after the all-reduce: every rank is done
+
+    def summary(self, per_node: int, node: int) -> dict:
+        """This rank's figures (the median iteration's phases and spans)."""
+        median_iter = sorted(range(len(self.times)), key=lambda i: self.times[i])[len(self.times) // 2]
+        mine = {
+            "internode_bytes_kernel": self.tx_bytes / len(self.times),
+            "saved_for_backward_bytes": self.kept,
+            "phase_seconds": self.phases[median_iter],
+            "spans": self.spans[median_iter],
+            "peak_live_bytes": self.peak,
+        }
+        if not self.torch_peer:  # the project's own counters (PyTorch's ring has none)
+            fwd, bwd = self.groups.last_forward_stats, self.groups.last_backward_stats
+            mine.update({
+                "p2p_bytes_sent": fwd.p2p_bytes_sent + bwd.p2p_bytes_sent,
+                "collective_bytes_sent": fwd.collective_bytes_sent + bwd.collective_bytes_sent,
+                "p2p_steps_forward": fwd.p2p_steps,
+                "p2p_steps_backward": bwd.p2p_steps,
+                "internode_bytes_accounting": sum(
+                    nbytes for stats in (fwd, bwd) for peer, nbytes in stats.p2p_bytes_sent_to.items()
+                    if peer // per_node != node
+                ),
+            })
+        return mine
+
+    def row(self, gathered: list[dict], calibration: dict) -> dict:
+        """The configuration's result row from every rank's :meth:`summary` (rank 0)."""
+        row = {
+            **self.config,
+            "time_ms_median": 1000 * statistics.median(self.times),
+            "time_ms": [1000 * t for t in self.times],  # per round, in round order (interleaved)
+            "internode_bytes_kernel": sum(g["internode_bytes_kernel"] for g in gathered),
+            "saved_for_backward_bytes_max": max(g["saved_for_backward_bytes"] for g in gathered),
+            "peak_live_bytes_max": max(g["peak_live_bytes"] for g in gathered),
+            "phase_seconds_per_rank": [g["phase_seconds"] for g in gathered],
+            "spans_per_rank": [g["spans"] for g in gathered],
+            "calibration": calibration,
+        }
+        if not self.torch_peer:
+            row.update({
+                "p2p_bytes_sent_max": max(g["p2p_bytes_sent"] for g in gathered),
+                "collective_bytes_sent_max": max(g["collective_bytes_sent"] for g in gathered),
+                "p2p_steps_forward": max(g["p2p_steps_forward"] for g in gathered),
+                "p2p_steps_backward": max(g["p2p_steps_backward"] for g in gathered),
+                "internode_bytes_accounting": sum(g["internode_bytes_accounting"] for g in gathered),
+            })
+        return row
+
+
 def main() -> None:
     spec = json.load(open(sys.argv[1]))
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
@@ -64,89 +155,26 @@ def main() -> None:
 
     calibration = measure_cluster(per_node, spec["rate_mbit"], q0, k0, v0, dout, w["causal"])
 
-    results = []
     timeline = Timeline()
-    for config in spec["configs"]:
-        torch_peer = config.get("impl") == "torch"
-        groups = None if torch_peer else new_startrail_groups(team_size=config["team_size"],
-                                                               ulysses_size=config.get("ulysses", 1))
-
-        def attention(q, k, v):
-            if torch_peer:
-                return torch_ring_attn(q, k, v, dist.group.WORLD, causal=w["causal"],
-                                       rotate_method=config["rotate_method"])
-            return startrail_attn(q, k, v, groups, causal=w["causal"], transfer=config.get("transfer", "ring"),
-                                  regather_in_backward=config.get("regather", False), timeline=timeline)
-
-        def step():
-            q, k, v = (t.clone().requires_grad_(True) for t in (q0, k0, v0))
-            out, kept = saved_bytes(lambda: attention(q, k, v), exclude=(q, k, v))
-            out.backward(dout)
-            return kept
-
+    runs = [ConfigRun(config, w, q0, k0, v0, dout, timeline) for config in spec["configs"]]
+    for run in runs:  # warm-up and the (untimed, profiled) peak of live tensors, per configuration
         for _ in range(spec["warmup"]):
-            step()
-        _, peak = peak_live_bytes(step, q0.device)  # untimed: the profiler slows it down
-        dist.barrier()
-        tx0 = node_tx_bytes(links) if rank % per_node == 0 else 0
-        times, kept, phases, spans = [], 0, [], []
-        for _ in range(spec["iters"]):
-            dist.barrier()
-            timeline.clear()
-            start = time.perf_counter()
-            kept = step()
-            end = time.perf_counter()
-            phases.append(timeline.phase_seconds(start, end))
-            spans.append([(op, a - start, b - start) for op, a, b in timeline.spans]
-                         + [("end", end - start, end - start)])
-            elapsed = torch.tensor([end - start])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # an iteration ends when the slowest rank does
-            times.append(elapsed.item())
-        dist.barrier()
-        tx1 = node_tx_bytes(links) if rank % per_node == 0 else 0
-        median_iter = sorted(range(len(times)), key=lambda i: times[i])[len(times) // 2]
-        mine = {
-            "internode_bytes_kernel": (tx1 - tx0) / spec["iters"],
-            "saved_for_backward_bytes": kept,
-            "phase_seconds": phases[median_iter],
-            "spans": spans[median_iter],
-            "peak_live_bytes": peak,
-        }
-        if not torch_peer:  # the project's own counters (PyTorch's ring has none)
-            fwd, bwd = groups.last_forward_stats, groups.last_backward_stats
-            mine.update({
-                "p2p_bytes_sent": fwd.p2p_bytes_sent + bwd.p2p_bytes_sent,
-                "collective_bytes_sent": fwd.collective_bytes_sent + bwd.collective_bytes_sent,
-                "p2p_steps_forward": fwd.p2p_steps,
-                "p2p_steps_backward": bwd.p2p_steps,
-                "internode_bytes_accounting": sum(
-                    nbytes for stats in (fwd, bwd) for peer, nbytes in stats.p2p_bytes_sent_to.items()
-                    if peer // per_node != node
-                ),
-            })
+            run.step()
+        run.peak = peak_live_bytes(run.step, q0.device)[1]
+    # Timed iterations, interleaved: round i runs every configuration once, so a load spike
+    # of the shared machine or a drift of the link hits all configurations alike and the
+    # per-round comparison between two configurations stays fair.
+    for _ in range(spec["iters"]):
+        for run in runs:
+            run.timed_iteration(links if rank % per_node == 0 else [])
+
+    results = []
+    for run in runs:
+        mine = run.summary(per_node, node)
         gathered = [None] * world
         dist.all_gather_object(gathered, mine)
         if rank == 0:
-            row = {
-                **config,
-                "time_ms_median": 1000 * statistics.median(times),
-                "time_ms": [1000 * t for t in times],
-                "internode_bytes_kernel": sum(g["internode_bytes_kernel"] for g in gathered),
-                "saved_for_backward_bytes_max": max(g["saved_for_backward_bytes"] for g in gathered),
-                "peak_live_bytes_max": max(g["peak_live_bytes"] for g in gathered),
-                "phase_seconds_per_rank": [g["phase_seconds"] for g in gathered],
-                "spans_per_rank": [g["spans"] for g in gathered],
-                "calibration": calibration,
-            }
-            if not torch_peer:
-                row.update({
-                    "p2p_bytes_sent_max": max(g["p2p_bytes_sent"] for g in gathered),
-                    "collective_bytes_sent_max": max(g["collective_bytes_sent"] for g in gathered),
-                    "p2p_steps_forward": max(g["p2p_steps_forward"] for g in gathered),
-                    "p2p_steps_backward": max(g["p2p_steps_backward"] for g in gathered),
-                    "internode_bytes_accounting": sum(g["internode_bytes_accounting"] for g in gathered),
-                })
-            results.append(row)
+            results.append(run.row(gathered, calibration))
     if rank == 0:
         with open(spec["output"], "w") as f:
             json.dump(results, f, indent=1)

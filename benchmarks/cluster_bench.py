@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from benchmarks.netns_cluster import EmulatedCluster, check_requirements  # noqa: E402
 from benchmarks.peer_models import predict_torch_ring  # noqa: E402
+from benchmarks.ranking import clear_pairs, ranking_errors  # noqa: E402
 from benchmarks.timeline_report import phase_summary, phase_table, plot_timeline  # noqa: E402
 from megatron_startrail.planner import ClusterSpec, Workload, predict  # noqa: E402
 from megatron_startrail.topology import valid_team_sizes  # noqa: E402
@@ -63,14 +64,20 @@ def predictions(args, rate_mbit: float, configs: list[dict], calibration: dict) 
     return out
 
 
-def ranking_report(results: list[dict]) -> str:
-    lines = ["| link Mbit/s | measured ranking (fastest first) | predicted ranking | match |", "|---|---|---|---|"]
+def ranking_report(results: list[dict], interleaved: bool = True) -> str:
+    """Per link rate: the measured and predicted rankings (medians), and whether the
+    prediction orders every pair with a clear measured order (benchmarks/ranking.py)."""
+    lines = ["| link Mbit/s | measured ranking (fastest first) | predicted ranking | match "
+             "| pairs measured in one order every round | of them ordered wrongly |", "|---|---|---|---|---|---|"]
     for rate in sorted({r["rate_mbit"] for r in results}):
         rows = [r for r in results if r["rate_mbit"] == rate]
         measured = [r["name"] for r in sorted(rows, key=lambda r: r["time_ms_median"])]
         predicted = [r["name"] for r in sorted(rows, key=lambda r: r["predicted_ms"])]
+        clear = clear_pairs(rows, interleaved)
+        wrong = ranking_errors(rows, {r["name"]: r["predicted_ms"] for r in rows}, interleaved)
         lines.append(f"| {rate:g} | {' < '.join(measured)} | {' < '.join(predicted)} | "
-                     f"{'yes' if measured == predicted else 'no'} |")
+                     f"{'yes' if measured == predicted else 'no'} | {len(clear)} | "
+                     f"{', '.join(f'{a} < {b}' for a, b in wrong) or 'none'} |")
     return "\n".join(lines)
 
 
@@ -245,7 +252,8 @@ def main() -> int:
             results.append(r)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out + ".json", "w") as f:
-        json.dump({"argv": sys.argv, "results": results}, f, indent=1)
+        # interleaved: the timed iterations of the configurations alternate (attention_worker.py)
+        json.dump({"argv": sys.argv, "interleaved": True, "results": results}, f, indent=1)
     text = "\n\n".join([table(results), ranking_report(results), "Mean over ranks:", phase_summary(results),
                           phase_table(results)])
     with open(args.out + ".md", "w") as f:

@@ -7,7 +7,8 @@ rates, step latency, attention rate under contention, overlap) and the planner p
 every configuration from those numbers alone; no attention timing went into any
 prediction, so every row is held out. Predictions are recomputed here from each run's
 stored calibration with the current planner (cluster_bench.predictions). Writes OUT.md (per row: measured, predicted,
-error, within 20 %; per cluster: rankings), OUT.json and OUT.png (predicted vs measured).
+error, within 20 %; per cluster: rankings, strict (medians) and up to noise, see
+benchmarks/ranking.py), OUT.json and OUT.png (predicted vs measured).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.cluster_bench import parser, predictions  # noqa: E402
+from benchmarks.ranking import clear_pairs, ranking_errors  # noqa: E402
 
 TOLERANCE = 0.20
 
@@ -34,7 +36,8 @@ def load(paths: list[str]) -> list[dict]:
             predicted = predictions(args, rate, measured, measured[0]["calibration"])
             for r in measured:
                 rows.append({**{k: r[k] for k in ("name", "rate_mbit", "nodes", "ranks_per_node", "time_ms_median",
-                                                   "calibration")},
+                                                   "time_ms", "calibration")},
+                             "interleaved": run.get("interleaved", False),
                              "predicted_ms": predicted[r["name"]], "seq_length": args.seq_length,
                              "source": os.path.basename(path)})
     return rows
@@ -53,28 +56,33 @@ def report(rows: list[dict]) -> str:
                      f"| {r['rate_mbit']:g} | {r['name']} | "
                      f"{r['time_ms_median']:.0f} | {r['predicted_ms']:.0f} | {100 * err:+.0f}% | "
                      f"{'yes' if abs(err) <= TOLERANCE else 'no'} |")
-    lines += ["", "| run | cluster | seq | link Mbit/s | measured ranking (fastest first) | predicted ranking | match "
-                  "| match among the project's configurations (what the planner chooses from) "
+    lines += ["", "| run | cluster | seq | link Mbit/s | measured ranking (fastest first) | predicted ranking "
+                  "| match (medians) | clear pairs (same order every round) | clear pairs predicted in the wrong order "
                   "| measured: eff. inter-node MB/s, intra MB/s, GFLOP/s per rank, overlap, step latency ms |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    clear_total = wrong_total = 0
     for key in dict.fromkeys(cluster_key(r) for r in rows):
         group = [r for r in rows if cluster_key(r) == key]
         measured = [r["name"] for r in sorted(group, key=lambda r: r["time_ms_median"])]
         predicted = [r["name"] for r in sorted(group, key=lambda r: r["predicted_ms"])]
         cal = group[0]["calibration"]
-        ours = [n for n in measured if not n.startswith("torch-")] == [
-            n for n in predicted if not n.startswith("torch-")]
+        interleaved = group[0]["interleaved"]
+        clear = clear_pairs(group, interleaved)
+        wrong = ranking_errors(group, {r["name"]: r["predicted_ms"] for r in group}, interleaved)
+        clear_total, wrong_total = clear_total + len(clear), wrong_total + len(wrong)
         lines.append(
             f"| {key[4][:-5]} | {key[0]}x{key[1]} | {key[2]} | {key[3]:g} | {' < '.join(measured)} | "
             f"{' < '.join(predicted)} | "
-            f"{'yes' if measured == predicted else 'no'} | {'yes' if ours else 'no'} | "
+            f"{'yes' if measured == predicted else 'no'} | {len(clear)} | "
+            f"{', '.join(f'{a} < {b}' for a, b in wrong) or 'none'} | "
             f"{1e3 * cal.get('inter_node_gbs', 0):.1f}, "
             f"{1e3 * cal.get('intra_node_gbs', 0):.0f}, {1e3 * cal['attention_tflops']:.1f}, "
             f"{cal.get('overlap', 1.0):.2f}, {1e3 * cal['step_latency_s']:.1f} |")
     errors = [abs(r["predicted_ms"] / r["time_ms_median"] - 1) for r in rows]
     within = sum(e <= TOLERANCE for e in errors)
     lines += ["", f"{within} of {len(rows)} predictions within 20 % of the measured time; "
-                  f"largest error {100 * max(errors):.0f} %."]
+                  f"largest error {100 * max(errors):.0f} %. Rankings: {wrong_total} of {clear_total} pairs with a "
+                  "clear measured order (faster in every round) predicted in the wrong order."]
     return "\n".join(lines)
 
 

@@ -144,10 +144,15 @@ def overlapped_steps(overlap: float, compute: list[float], transfer: list[float]
 
 
 def _collective_time(cluster: ClusterSpec, groups: list[list[int]], bytes_per_rank: float,
-                     calls: int = 1) -> tuple[float, float]:
-    """A bandwidth-optimal collective moving ``bytes_per_rank`` per rank within each group
-    (priced as a ring over the group's members), issued as ``calls`` separate collectives
-    (each pays its own latency)."""
+                     calls: int = 1, ring: bool = True) -> tuple[float, float]:
+    """A bandwidth-optimal collective moving ``bytes_per_rank`` per rank within each group,
+    issued as ``calls`` collectives one after another (collectives in flight together
+    count as one call: their bytes add up in ``bytes_per_rank``).
+
+    ``ring``: an all-gather / reduce-scatter, which the libraries run as a ring of
+    ``n - 1`` sequential hops (gloo; NCCL's ring algorithm): each hop pays a latency.
+    Otherwise an all-to-all: every pair exchanges at once, one latency. Bandwidth is
+    priced as a ring over the group's members in either case."""
     sends = []
     for g in groups:
         if len(g) > 1:
@@ -157,7 +162,9 @@ def _collective_time(cluster: ClusterSpec, groups: list[list[int]], bytes_per_ra
     if not sends:
         return t, inter
     crosses = any(cluster.node_of(a) != cluster.node_of(b) for a, b, _ in sends)
-    return t + (calls - 1) * (cluster.inter_latency_s if crosses else cluster.intra_latency_s), inter
+    latency = cluster.inter_latency_s if crosses else cluster.intra_latency_s
+    hops = max(len(g) for g in groups) - 1 if ring else 1
+    return t + (calls * hops - 1) * latency, inter
 
 
 def _shape(work: Workload, cp_size: int) -> AttentionShape:
@@ -197,17 +204,21 @@ def predict(cluster: ClusterSpec, work: Workload, cp_size: int, team_size: int, 
     # Ulysses all-to-alls: q, k, v in and the output back, each way (fwd and bwd).
     if u > 1:
         uly_bytes = (u - 1) / u * (eq + eo + ekv) * e
-        add(_collective_time(cluster, all_uly, 2 * uly_bytes, calls=8))  # q, k, v, out; both ways
-    # Forward: team all-gather of q, k, v; merge all-to-all of out and lse.
+        add(_collective_time(cluster, all_uly, 2 * uly_bytes, calls=8, ring=False))  # q, k, v, out; both ways
+    # Forward: team all-gather of q and k|v (in flight together); merge all-to-alls of
+    # out and lse (together).
     if c > 1:
         for _ in range(2 if regather_in_backward else 1):  # the backward may gather again
-            add(_collective_time(cluster, teams, (c - 1) * (eq + ekv) * e, calls=2))  # q; k, v
-        add(_collective_time(cluster, teams, (c - 1) * (eo * e + el * a), calls=2))  # out; lse
-    # Initial send (forward K, V; backward dK, dV in the accumulator dtype; the K, V
-    # again when the backward regathers).
-    for nbytes in [c * ekv * e, c * ekv * a] + ([c * ekv * e] if regather_in_backward else []):
-        add(_exchange_time(cluster, [(cp_rank(p, x), cp_rank(topo.init_send_dst(p), x), nbytes)
-                                     for p in positions for x in range(u)]))
+            add(_collective_time(cluster, teams, (c - 1) * (eq + ekv) * e))
+        add(_collective_time(cluster, teams, (c - 1) * (eo * e + el * a), ring=False))
+    # Initial send (forward K, V; the K, V again when the backward regathers). Its
+    # reverse (dK, dV in the accumulator dtype) is priced with the backward's team phases.
+    def initial_send(nbytes: float) -> tuple[float, float]:
+        return _exchange_time(cluster, [(cp_rank(p, x), cp_rank(topo.init_send_dst(p), x), nbytes)
+                                        for p in positions for x in range(u)])
+
+    for nbytes in [c * ekv * e] + ([c * ekv * e] if regather_in_backward else []):
+        add(initial_send(nbytes))
     # Sub-ring steps, overlapped with the compute of the step they feed.
     # One lane per ring of the transfer (multi-ring: the sub-ring's Hamiltonian cycles),
     # each carrying its share of the step's bytes to its own next rank.
@@ -232,10 +243,16 @@ def predict(cluster: ClusterSpec, work: Workload, cp_size: int, team_size: int, 
         inter_bytes += sum(b for _, b in flying)
     if g > 1:
         add(ring_round(accumulator_bwd))
-    # Backward: all-gather dO, out, lse; reduce-scatter dQ, dK, dV.
+    # Backward: all-gather dO|out and lse (together); dK, dV travel back along the
+    # reverse initial send while dQ is reduce-scattered in the team; then dK, dV are.
+    reverse = initial_send(c * ekv * a)
     if c > 1:
-        add(_collective_time(cluster, teams, (c - 1) * (2 * eo * e + el * a), calls=2))  # dO, out; lse
-        add(_collective_time(cluster, teams, (c - 1) * (eq + ekv) * a, calls=2))  # dq; dk, dv
+        add(_collective_time(cluster, teams, (c - 1) * (2 * eo * e + el * a)))
+        dq_rs = _collective_time(cluster, teams, (c - 1) * eq * a)
+        add((max(reverse[0], dq_rs[0]), reverse[1] + dq_rs[1]))
+        add(_collective_time(cluster, teams, (c - 1) * ekv * a))
+    else:
+        add(reverse)
     compute = compute_fwd + compute_bwd
     kept = work.layers * kept_for_backward_bytes(shape, ulysses_size=u, team_size=c,
                                                  regather_in_backward=regather_in_backward)

@@ -1,0 +1,48 @@
+"""Measured vs predicted rankings of the configurations of one cluster, up to measurement noise.
+
+Two configurations whose measured times are within the run's noise have no measured
+order, and a planner cannot be right or wrong about them. A pair has a *clear* measured
+order when one configuration was faster in every round of the run: the timed iterations
+are interleaved (benchmarks/attention_worker.py: round ``i`` runs every configuration
+once), so round ``i`` of two configurations saw the same machine load and link state.
+With 5 rounds, a pair of configurations that are really equal comes out clear by chance
+with probability 2/32. Older runs, timed one configuration after another, count a pair
+as clear only when their time ranges do not overlap.
+
+The ranking is *correct up to noise* when the prediction orders every clear pair as
+measured; the strict ranking (medians) is reported next to it.
+"""
+
+from __future__ import annotations
+
+from itertools import combinations
+
+
+def clearly_faster(a: dict, b: dict, interleaved: bool) -> bool:
+    """Whether row ``a`` was measured faster than row ``b`` beyond the noise (``time_ms``
+    per round)."""
+    if interleaved:
+        return all(x < y for x, y in zip(a["time_ms"], b["time_ms"]))
+    return max(a["time_ms"]) < min(b["time_ms"])
+
+
+def clear_pairs(rows: list[dict], interleaved: bool) -> list[tuple[str, str]]:
+    """``(faster, slower)`` names of every pair with a clear measured order."""
+    pairs = []
+    for a, b in combinations(rows, 2):
+        if clearly_faster(a, b, interleaved):
+            pairs.append((a["name"], b["name"]))
+        elif clearly_faster(b, a, interleaved):
+            pairs.append((b["name"], a["name"]))
+    return pairs
+
+
+def ranking_errors(rows: list[dict], predicted_ms: dict[str, float], interleaved: bool) -> list[tuple[str, str]]:
+    """Clear pairs ``(faster, slower)`` that the prediction orders the other way."""
+    return [(a, b) for a, b in clear_pairs(rows, interleaved) if predicted_ms[a] >= predicted_ms[b]]
+
+
+def ties(rows: list[dict], interleaved: bool) -> list[tuple[str, str]]:
+    """Pairs without a clear measured order (within the noise of the run)."""
+    clear = {frozenset(p) for p in clear_pairs(rows, interleaved)}
+    return [(a["name"], b["name"]) for a, b in combinations(rows, 2) if frozenset((a["name"], b["name"])) not in clear]
