@@ -3,16 +3,20 @@
 Forward on StarTrail position ``r`` (team ``t``, member ``m``; DESIGN.md section 1)::
 
     1. team all-gather      q [n, b, h, dqk], k|v [n, b, hkv, dqk + dv]  ->  [C*n, ...]
-    2. initial send          team K, V to init_send_dst(r)               (paper Alg. 2)
+    2. initial send          team K, V to init_send_dst(r), in C pieces  (paper Alg. 2)
+                             (one per member's n rows)
     3. sub-ring, G steps     attend team queries to the K, V held, pass
-                             K, V to ring_next                            (paper Alg. 3)
+                             K, V to ring_next; step 0 takes each piece   (paper Alg. 3)
+                             of phase 2 as it lands: wait, pass on, attend
     4. team merge            partial (out, lse) of the team's queries ->
                              each member merges its own rows in float32   (reduce-scatter
                                                                             with lse merge)
 Backward (paper 3.2.1): [with ``regather_in_backward``: phases 1-2 again, from this
 rank's q, k, v;] all-gather dO, out, lse in the team; run the same sub-ring schedule
-with either Q-side or K/V-side circulating (``rotation``); send dK, dV back along the
-reverse of the initial send; reduce-scatter dQ, dK, dV in the team.
+with either Q-side or K/V-side circulating (``rotation``), step 0 again taking the
+initial send's pieces as they land; send dK, dV back along the reverse of the initial
+send, in the same pieces (rotation "q": each as soon as the last step has computed it;
+"kv": once the accumulators are home); reduce-scatter dQ, dK, dV in the team.
 
 Memory: without regathering the forward keeps the team's Q and the K, V of the
 initial send for the backward (``3C`` shares with MHA instead of ring attention's 3);
