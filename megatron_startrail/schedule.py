@@ -5,7 +5,7 @@ different orders. StarTrail's sub-ring is one lane; TASP's multi-ring transfer s
 payload in ``G - 1`` parts, one per arc-disjoint Hamiltonian cycle, so that every link
 of a fully connected node carries a part at every step.
 
-:func:`rotate` runs ``compute(step, payloads)`` for ``step = 0 .. G-1`` while every
+:func:`rotate` runs ``compute(step, payloads, rows)`` for ``step = 0 .. G-1`` while every
 lane's payload moves one hop per step (double-buffered: the next step's payload is in
 flight while this step computes). If ``compute`` returns gradient contributions for the
 payloads, they travel with them as accumulators and come home after ``G`` hops::
@@ -28,7 +28,9 @@ and the hops of the pieces together are step 0's one round; later steps are unch
 
 Forward: payload = K, V; compute merges into the fixed query-side output. Backward
 "kv": payload = K, V with dK, dV accumulators, dQ fixed. Backward "q" (the paper's):
-payload = Q, dO, out, lse with a dQ accumulator, dK, dV fixed.
+payload = Q, dO, out, lse with a dQ accumulator, dK, dV fixed; there the initial send's
+pieces are the fixed side, which ``compute`` itself takes as they land at step 0 (and
+whose dK, dV it sends back piece by piece at the last step).
 """
 
 from __future__ import annotations
