@@ -3,16 +3,20 @@
 Forward on StarTrail position ``r`` (team ``t``, member ``m``; DESIGN.md section 1)::
 
     1. team all-gather      q [n, b, h, dqk], k|v [n, b, hkv, dqk + dv]  ->  [C*n, ...]
-    2. initial send          team K, V to init_send_dst(r)               (paper Alg. 2)
+    2. initial send          team K, V to init_send_dst(r), in C pieces  (paper Alg. 2)
+                             (one per member's n rows)
     3. sub-ring, G steps     attend team queries to the K, V held, pass
-                             K, V to ring_next                            (paper Alg. 3)
+                             K, V to ring_next; step 0 takes each piece   (paper Alg. 3)
+                             of phase 2 as it lands: wait, pass on, attend
     4. team merge            partial (out, lse) of the team's queries ->
                              each member merges its own rows in float32   (reduce-scatter
                                                                             with lse merge)
 Backward (paper 3.2.1): [with ``regather_in_backward``: phases 1-2 again, from this
 rank's q, k, v;] all-gather dO, out, lse in the team; run the same sub-ring schedule
-with either Q-side or K/V-side circulating (``rotation``); send dK, dV back along the
-reverse of the initial send; reduce-scatter dQ, dK, dV in the team.
+with either Q-side or K/V-side circulating (``rotation``), step 0 again taking the
+initial send's pieces as they land; send dK, dV back along the reverse of the initial
+send, in the same pieces (rotation "q": each as soon as the last step has computed it;
+"kv": once the accumulators are home); reduce-scatter dQ, dK, dV in the team.
 
 Memory: without regathering the forward keeps the team's Q and the K, V of the
 initial send for the backward (``3C`` shares with MHA instead of ring attention's 3);
@@ -33,11 +37,12 @@ import torch
 
 from . import blocks
 from .accounting import AttentionShape, choose_backward_rotation
-from .comm import CommStats, Communicator, PendingCollective
+from .comm import CommStats, Communicator
 from .documents import agree_on_documents
 from .groups import StarTrailGroups
 from .kernels import check_kernel, kernel_for
-from .layout import Documents, Segment, rows_of_cp_ranks
+from .initial_send import PieceTransfer, ReverseInitialSend, post_initial_send
+from .layout import Documents, Segment, rows_of_cp_ranks, segment_rows
 from .schedule import rotate
 from .timeline import Timeline
 from .transfer import TRANSFERS, LaneSplit, sub_ring_lanes
@@ -64,9 +69,9 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 def _gather_team_and_send(comm: Communicator, groups: StarTrailGroups, q, k, v, *, gather_op: str, send_op: str):
     """Phases 1-2, overlapped. Team all-gather: ``q [n, b, h, dqk]``, ``k [n, b, hkv, dqk]``,
     ``v [n, b, hkv, dv]`` -> ``q_team [C*n, b, h, dqk]``, ``kv_team [C*n, b, hkv, dqk + dv]``;
-    initial send (paper Alg. 2) of ``kv_team`` to ``init_send_dst``. Returns ``q_team`` and
-    ``kv_init``, what this rank starts the sub-ring with (``kv_team`` itself when the send
-    maps the rank to itself).
+    initial send (paper Alg. 2) of ``kv_team`` to ``init_send_dst``, in ``C`` pieces. Returns
+    ``q_team`` and ``kv_init``, what this rank starts the sub-ring with, still landing (a
+    :class:`PieceTransfer`; ``kv_team`` itself when the send maps the rank to itself).
 
     Both gathers start at once, K, V first: the initial send needs only them, so it goes
     out while Q is still being gathered. K and V travel side by side in the last dim, so
@@ -74,24 +79,17 @@ def _gather_team_and_send(comm: Communicator, groups: StarTrailGroups, q, k, v, 
     c = groups.team_size
     kv_gather = comm.all_gather(torch.cat([k, v], dim=-1), groups.team_group, c, op=gather_op, wait=False)
     q_gather = comm.all_gather(q, groups.team_group, c, op=gather_op, wait=False)
-    kv_team = kv_gather.wait()
-    topo, pos = groups.topology, groups.startrail_rank
-    dst, src = topo.init_send_dst(pos), topo.init_send_src(pos)
-    if dst == pos:
-        return q_gather.wait(), kv_team
-    kv_init = torch.empty_like(kv_team)
-    send = comm.post([(kv_team, dst)], [(kv_init, src)], op=send_op)
-    q_team = q_gather.wait()
-    send.wait()
-    return q_team, kv_init
+    kv_init = post_initial_send(comm, groups.topology, groups.startrail_rank, kv_gather.wait(), op=send_op)
+    return q_gather.wait(), kv_init
 
 
-def _sub_ring_forward(comm, groups, docs, kernel, transfer, q_team, kv_init, *, causal, scale):
+def _sub_ring_forward(comm, groups, docs, kernel, transfer, q_team, kv_init: PieceTransfer, *, causal, scale):
     """Phase 3 (paper Alg. 3): the team's queries against the K, V circulating in the
-    sub-ring; returns the partial ``acc_out [b, h, C*n, dv]``, ``acc_lse [b, h, C*n]``."""
+    sub-ring, step 0 attending to each piece of the initial send as it lands; returns the
+    partial ``acc_out [b, h, C*n, dv]``, ``acc_lse [b, h, C*n]``."""
     topo, pos = groups.topology, groups.startrail_rank
     rows, b, h = q_team.shape[:3]
-    dv = kv_init.shape[-1] - q_team.shape[-1]
+    dv = kv_init.tensor.shape[-1] - q_team.shape[-1]
     acc_dtype = _acc_dtype(q_team.dtype)
     acc_out = q_team.new_zeros((b, h, rows, dv), dtype=acc_dtype)
     acc_lse = q_team.new_full((b, h, rows), float("-inf"), dtype=acc_dtype)
@@ -101,13 +99,14 @@ def _sub_ring_forward(comm, groups, docs, kernel, transfer, q_team, kv_init, *, 
         lambda origin: _team_segments(groups, docs, topo.kv_team_at_step(origin, 0)),
     )
 
-    def attend(step, payloads):
-        for lane_index, (lane, (kv,)) in enumerate(zip(kv_rot.lanes, payloads)):
-            k_segments = kv_rot.part_segments(lane.origin(pos, step), lane_index)
+    def attend(step, payloads, part_rows):
+        for lane_index, (lane, (kv,), kv_rows) in enumerate(zip(kv_rot.lanes, payloads, part_rows)):
+            k_segments = kv_rot.part_segments(lane.origin(pos, step), lane_index, kv_rows)
             blocks.forward_step(kernel, q_team, kv, q_segments, k_segments, acc_out, acc_lse,
                                 causal=causal, scale=scale)
 
-    rotate(comm, kv_rot.lanes, pos, kv_rot.split([kv_init]), attend, op="sub_ring")
+    rotate(comm, kv_rot.lanes, pos, kv_rot.split([kv_init.tensor]), attend, op="sub_ring",
+           pieces=kv_rot.pieces(kv_init))
     return acc_out, acc_lse
 
 
@@ -164,7 +163,7 @@ class _StarTrailAttention(torch.autograd.Function):
         if ctx.regather:
             ctx.save_for_backward(q, k, v, out, lse)
         else:
-            ctx.save_for_backward(q_team, kv_init, out, lse)
+            ctx.save_for_backward(q_team, kv_init.tensor, out, lse)
         ctx.groups, ctx.docs, ctx.causal, ctx.scale, ctx.kernel = groups, docs, causal, scale, kernel
         ctx.rotation, ctx.transfer, ctx.bwd_stats, ctx.timeline = rotation, transfer, bwd_stats, timeline
         return out
@@ -178,15 +177,16 @@ class _StarTrailAttention(torch.autograd.Function):
             q_team, kv_init = _gather_team_and_send(comm, groups, q, k, v, gather_op="regather_team_all_gather",
                                                     send_op="regather_init_send")
         else:
-            q_team, kv_init, out, lse = ctx.saved_tensors
+            q_team, kv_team, out, lse = ctx.saved_tensors
+            kv_init = PieceTransfer.local(kv_team, groups.team_size)
         dtype, dqk = q_team.dtype, q_team.shape[-1]
         q_side, lse_team = _gather_query_side(comm, groups, q_team, dout, out, lse)
         del q_team
-        dq_team, dkv_init = _sub_ring_backward(comm, groups, docs, ctx.kernel, ctx.transfer, ctx.rotation,
+        # dK, dV go back along the reverse of the initial send (started inside, piece by
+        # piece, with rotation "q") while dQ is reduce-scattered in the team (float32):
+        # every member keeps its own rows.
+        dq_team, dkv_back = _sub_ring_backward(comm, groups, docs, ctx.kernel, ctx.transfer, ctx.rotation,
                                                q_side, lse_team, kv_init, dqk, causal=ctx.causal, scale=ctx.scale)
-        # dK, dV go back along the reverse of the initial send while dQ is reduce-scattered
-        # in the team (float32): every member keeps its own rows.
-        dkv_back = _initial_send_reverse(comm, groups, dkv_init)
         dq = comm.reduce_scatter(dq_team, groups.team_group, groups.team_size, op="team_reduce_scatter")
         dkv = comm.reduce_scatter(dkv_back.wait(), groups.team_group, groups.team_size, op="team_reduce_scatter")
         dk, dv = dkv[..., :dqk].to(dtype), dkv[..., dqk:].to(dtype)
@@ -205,12 +205,14 @@ def _gather_query_side(comm, groups, q_team, dout, out, lse):
     return torch.cat([q_team, do_out.wait()], dim=-1), lse_team.wait()
 
 
-def _sub_ring_backward(comm, groups, docs, kernel, transfer, rotation, q_side, lse_team, kv_init, dqk, *,
-                       causal, scale):
+def _sub_ring_backward(comm, groups, docs, kernel, transfer, rotation, q_side, lse_team, kv_init: PieceTransfer,
+                       dqk, *, causal, scale):
     """The forward's sub-ring schedule with one side fixed and the other circulating with
     its gradient accumulator (``rotation`` "q": Q, dO, out, lse and dQ move, paper 3.2.1;
-    "kv": K, V and dK, dV move). Returns ``dq_team [C*n, b, h, dqk]`` and
-    ``dkv_init [C*n, b, hkv, dqk + dv]`` (accumulator dtype)."""
+    "kv": K, V and dK, dV move); step 0 uses each piece of ``kv_init`` as it lands.
+    Returns ``dq_team [C*n, b, h, dqk]`` and the reverse initial send of
+    ``dkv_init [C*n, b, hkv, dqk + dv]`` (accumulator dtype), started: with "q" each piece
+    goes back once the last step has computed it, with "kv" when the accumulators are home."""
     topo, pos = groups.topology, groups.startrail_rank
     acc_dtype = _acc_dtype(q_side.dtype)
     dv = (q_side.shape[-1] - dqk) // 2
@@ -224,46 +226,42 @@ def _sub_ring_backward(comm, groups, docs, kernel, transfer, rotation, q_side, l
 
     if rotation == "q":
         own_kv_segments = _team_segments(groups, docs, topo.kv_team_at_step(pos, 0))
-        dkv_init = kv_init.new_zeros(kv_init.shape, dtype=acc_dtype)
+        dkv_init = kv_init.tensor.new_zeros(kv_init.tensor.shape, dtype=acc_dtype)
+        reverse = ReverseInitialSend(comm, topo, pos, dkv_init, kv_init.bounds)
         q_rot = LaneSplit(lanes, rows, lambda origin: _team_segments(groups, docs, topo.team_of(origin)))
+        last_step = len(q_rot.lanes[0].order) - 1
 
-        def step_q(step, payloads):
-            contrib = []
-            for lane_index, (lane, (qs, lse_rows)) in enumerate(zip(q_rot.lanes, payloads)):
-                dq = qs.new_zeros(qs.shape[:-1] + (dqk,), dtype=acc_dtype)
-                q_segments = q_rot.part_segments(lane.origin(pos, step), lane_index)
-                grads(qs, lse_rows, kv_init, q_segments, own_kv_segments, dq, dkv_init)
-                contrib.append([dq])
-            return contrib
+        def step_q(step, payloads, _rows):
+            dqs = [qs.new_zeros(qs.shape[:-1] + (dqk,), dtype=acc_dtype) for qs, _ in payloads]
+            for piece, (a, b) in enumerate(kv_init.bounds):  # K, V pieces, as they land at step 0
+                kv, kv_segments = kv_init.piece(piece), segment_rows(own_kv_segments, a, b)
+                for lane_index, (lane, (qs, lse_rows), dq) in enumerate(zip(q_rot.lanes, payloads, dqs)):
+                    q_segments = q_rot.part_segments(lane.origin(pos, step), lane_index)
+                    grads(qs, lse_rows, kv, q_segments, kv_segments, dq, dkv_init[a:b])
+                if step == last_step:
+                    reverse.send(piece)  # these rows of dK, dV are final
+            return [[dq] for dq in dqs]
 
         home = rotate(comm, q_rot.lanes, pos, q_rot.split([q_side, lse_team]), step_q, op="sub_ring", accumulate=True)
-        return q_rot.join([lane_acc[0] for lane_acc in home]), dkv_init
+        return q_rot.join([lane_acc[0] for lane_acc in home]), reverse
 
     own_q_segments = _team_segments(groups, docs, topo.team_of(pos))
     dq_team = q_side.new_zeros(q_side.shape[:-1] + (dqk,), dtype=acc_dtype)
     kv_rot = LaneSplit(lanes, rows, lambda origin: _team_segments(groups, docs, topo.kv_team_at_step(origin, 0)))
 
-    def step_kv(step, payloads):
+    def step_kv(step, payloads, part_rows):
         contrib = []
-        for lane_index, (lane, (kv,)) in enumerate(zip(kv_rot.lanes, payloads)):
+        for lane_index, (lane, (kv,), kv_rows) in enumerate(zip(kv_rot.lanes, payloads, part_rows)):
             dkv = kv.new_zeros(kv.shape, dtype=acc_dtype)
-            kv_segments = kv_rot.part_segments(lane.origin(pos, step), lane_index)
+            kv_segments = kv_rot.part_segments(lane.origin(pos, step), lane_index, kv_rows)
             grads(q_side, lse_team, kv, own_q_segments, kv_segments, dq_team, dkv)
             contrib.append([dkv])
         return contrib
 
-    home = rotate(comm, kv_rot.lanes, pos, kv_rot.split([kv_init]), step_kv, op="sub_ring", accumulate=True)
-    return dq_team, kv_rot.join([lane_acc[0] for lane_acc in home])
-
-
-def _initial_send_reverse(comm, groups, dkv_init) -> PendingCollective:
-    """dK, dV go back along the reverse of the initial send (started; ``wait()`` returns them)."""
-    topo, pos = groups.topology, groups.startrail_rank
-    dst, src = topo.init_send_dst(pos), topo.init_send_src(pos)
-    if dst == pos:
-        return PendingCollective(None, dkv_init)
-    dkv_team = torch.empty_like(dkv_init)
-    return PendingCollective(comm.post([(dkv_init, src)], [(dkv_team, dst)], op="init_send_reverse"), dkv_team)
+    home = rotate(comm, kv_rot.lanes, pos, kv_rot.split([kv_init.tensor]), step_kv, op="sub_ring", accumulate=True,
+                  pieces=kv_rot.pieces(kv_init))
+    dkv_init = kv_rot.join([lane_acc[0] for lane_acc in home])
+    return dq_team, ReverseInitialSend(comm, topo, pos, dkv_init, kv_init.bounds)
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: StarTrailGroups) -> None:

@@ -57,17 +57,19 @@ def _nbytes(t: torch.Tensor) -> int:
 
 class PendingP2P:
     """Handles of one posted batch of sends/receives; ``wait()`` completes all of them
-    (and records the time blocked in ``timeline`` under ``op``, if one is given)."""
+    (and records the time blocked in ``timeline`` under ``op``, if one is given). Until
+    then it keeps the batch's tensors alive: a caller may drop a tensor it is sending
+    (e.g. a piece of the initial send) before the transfer is done."""
 
-    def __init__(self, works: list, timeline=None, op: str = "") -> None:
-        self._works = works
+    def __init__(self, works: list, timeline=None, op: str = "", tensors: list | None = None) -> None:
+        self._works, self._tensors = works, tensors
         self._timeline, self._op = timeline, op
 
     def wait(self) -> None:
         start = time.perf_counter() if self._timeline is not None and self._works else None
         for w in self._works:
             w.wait()
-        self._works = []
+        self._works, self._tensors = [], None
         if start is not None:
             self._timeline.add(self._op, start, time.perf_counter())
 
@@ -151,7 +153,8 @@ class Communicator:
             self.stats.p2p_bytes_recv_from[self.p2p_global_ranks[peer]] += nbytes
         if ops and counts_as_step:
             self.stats.p2p_steps += 1
-        return PendingP2P(dist.batch_isend_irecv(ops) if ops else [], self.timeline, op)
+        works = dist.batch_isend_irecv(ops) if ops else []
+        return PendingP2P(works, self.timeline, op, tensors=[t for t, _ in sends + recvs])
 
     # -- collectives -----------------------------------------------------------------
     def _count_collective(self, op: str, moved: int) -> None:

@@ -228,6 +228,20 @@ def split_segments(segments: tuple[Segment, ...], parts: int) -> tuple[tuple[Seg
     return tuple(tuple(p) for p in out)
 
 
+@functools.lru_cache(maxsize=4096)
+def segment_rows(segments: tuple[Segment, ...], start: int, stop: int) -> tuple[Segment, ...]:
+    """Rows ``[start, stop)`` of the storage ``segments`` describe, as segments (cut at the
+    edges): what a row slice of a payload holds, e.g. one piece of the initial send."""
+    out: list[Segment] = []
+    row = 0
+    for doc, a, b in segments:
+        lo, hi = max(row, start), min(row + b - a, stop)
+        if hi > lo:
+            out.append((doc, a + lo - row, a + hi - row))
+        row += b - a
+    return tuple(out)
+
+
 def split_rows(total: int, parts: int) -> list[tuple[int, int]]:
     """The row range of each part of :func:`split_segments` in storage of ``total`` rows."""
     return [(total * k // parts, total * (k + 1) // parts) for k in range(parts)]

@@ -5,7 +5,7 @@ different orders. StarTrail's sub-ring is one lane; TASP's multi-ring transfer s
 payload in ``G - 1`` parts, one per arc-disjoint Hamiltonian cycle, so that every link
 of a fully connected node carries a part at every step.
 
-:func:`rotate` runs ``compute(step, payloads)`` for ``step = 0 .. G-1`` while every
+:func:`rotate` runs ``compute(step, payloads, rows)`` for ``step = 0 .. G-1`` while every
 lane's payload moves one hop per step (double-buffered: the next step's payload is in
 flight while this step computes). If ``compute`` returns gradient contributions for the
 payloads, they travel with them as accumulators and come home after ``G`` hops::
@@ -17,9 +17,20 @@ payloads, they travel with them as accumulators and come home after ``G`` hops::
         post  send(accumulator -> next), recv(accumulator <- prev)   [if G > 1]
     after the last step the accumulator received is the one for x's own payload.
 
+Step 0 may start before its payload is all here (``pieces``: the initial send lands in
+``C`` row pieces, one per team member's rows). Then, for each piece in order::
+
+    wait  the piece                                                  ["init_send"]
+    post  send(piece -> next), recv(same rows <- prev)               [if G > 1]
+    compute on the piece's rows
+
+and the hops of the pieces together are step 0's one round; later steps are unchanged.
+
 Forward: payload = K, V; compute merges into the fixed query-side output. Backward
 "kv": payload = K, V with dK, dV accumulators, dQ fixed. Backward "q" (the paper's):
-payload = Q, dO, out, lse with a dQ accumulator, dK, dV fixed.
+payload = Q, dO, out, lse with a dQ accumulator, dK, dV fixed; there the initial send's
+pieces are the fixed side, which ``compute`` itself takes as they land at step 0 (and
+whose dK, dV it sends back piece by piece at the last step).
 """
 
 from __future__ import annotations
@@ -29,7 +40,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .comm import Communicator
+from .comm import Communicator, PendingP2P
 
 PAYLOAD_TAG = 11
 ACCUMULATOR_TAG = 12
@@ -54,12 +65,39 @@ class Lane:
         return self.order[(self.order.index(pos) - step) % len(self.order)]
 
 
-def _exchange(comm, lanes, position, tensors, *, op, tag, counts_as_step):
-    """Post every lane's send to next and receive from prev; return (pending, buffers)."""
-    incoming = [[torch.empty_like(t) for t in lane_tensors] for lane_tensors in tensors]
-    sends = [(t, lane.next(position)) for lane, ts in zip(lanes, tensors) for t in ts]
-    recvs = [(t, lane.prev(position)) for lane, ts in zip(lanes, incoming) for t in ts]
-    return comm.post(sends, recvs, op=op, tag=tag, counts_as_step=counts_as_step), incoming
+@dataclass(frozen=True)
+class Piece:
+    """Rows of the step-0 payload that land together: rows ``rows[k] = (a, b)`` of every
+    tensor of lane ``k`` (``a == b``: none of that lane). ``landed`` completes when they are
+    here (``None``: they already are)."""
+
+    rows: tuple[tuple[int, int], ...]
+    landed: PendingP2P | None = None
+
+
+def _whole(payloads: Payloads) -> list[Piece]:
+    """The payload as one piece that is already here."""
+    return [Piece(tuple((0, lane[0].shape[0]) for lane in payloads))]
+
+
+def _rows(payloads: Payloads, rows: Sequence[tuple[int, int]]) -> list[list[torch.Tensor]]:
+    """Per lane, rows ``[a, b)`` of each of its tensors (views)."""
+    return [[t[a:b] for t in ts] for ts, (a, b) in zip(payloads, rows)]
+
+
+def _exchange(comm, lanes, position, tensors, incoming, *, op, tag, counts_as_step) -> PendingP2P:
+    """Post every lane's send of ``tensors`` to next and receive of ``incoming`` from prev
+    (empty tensors skipped: both sides of a hop cut the payload the same way)."""
+    sends = [(t, lane.next(position)) for lane, ts in zip(lanes, tensors) for t in ts if t.numel()]
+    recvs = [(t, lane.prev(position)) for lane, ts in zip(lanes, incoming) for t in ts if t.numel()]
+    return comm.post(sends, recvs, op=op, tag=tag, counts_as_step=counts_as_step)
+
+
+def _join(contribs: list[Payloads]) -> list[list[torch.Tensor]]:
+    """Per lane, the gradients of the pieces of one step, concatenated in row order."""
+    if len(contribs) == 1:
+        return [list(c) for c in contribs[0]]
+    return [[torch.cat(parts) for parts in zip(*lane)] for lane in zip(*contribs)]
 
 
 def rotate(
@@ -67,44 +105,59 @@ def rotate(
     lanes: Sequence[Lane],
     position: int,
     payloads: Payloads,
-    compute: Callable[[int, Payloads], Payloads | None],
+    compute: Callable[[int, Payloads, Sequence[tuple[int, int]]], Payloads | None],
     *,
     op: str,
     accumulate: bool = False,
+    pieces: Sequence[Piece] | None = None,
 ) -> list[list[torch.Tensor]] | None:
     """Run the rotation over ``lanes`` (all of the same length ``G``).
 
+    ``compute(step, payloads, rows)`` gets, per lane, rows ``rows[k] = (a, b)`` of the
+    payload held at ``step``: all of them, except at step 0 when ``pieces`` says the
+    step-0 payload is still landing (the initial send); then it runs once per piece, in
+    order, as soon as that piece is here, and the piece's hop to next goes out at once.
+    Every position of a lane must cut its step-0 payload into the same pieces.
+
     With ``accumulate``, ``compute`` returns, per lane, fresh gradient tensors for the
-    payload it was given, and the accumulated gradients of this position's own (step-0)
+    rows it was given, and the accumulated gradients of this position's own (step-0)
     payloads are returned, per lane; without, ``compute`` returns None and so does this.
     """
     steps = len(lanes[0].order)
     assert all(len(lane.order) == steps for lane in lanes)
     acc_in = acc_pending = home = None
     for step in range(steps):
-        payload_pending = None
+        hops, incoming = [], None
         if step < steps - 1:
-            # With accumulators the gradient chain sets the pace; the payload transfer
-            # overlaps it and adds no sequential step of its own.
-            payload_pending, incoming = _exchange(
-                comm, lanes, position, payloads, op=op, tag=PAYLOAD_TAG, counts_as_step=not accumulate
-            )
-        contrib = compute(step, payloads)
+            incoming = [[torch.empty_like(t) for t in lane_tensors] for lane_tensors in payloads]
+        contribs = []
+        for index, piece in enumerate(pieces if step == 0 and pieces is not None else _whole(payloads)):
+            if piece.landed is not None:
+                piece.landed.wait()
+            held = _rows(payloads, piece.rows)
+            if incoming is not None:
+                # The pieces of one hop are one round. With accumulators the gradient chain
+                # sets the pace; the payload transfer overlaps it and adds no step of its own.
+                hops.append(_exchange(comm, lanes, position, held, _rows(incoming, piece.rows), op=op,
+                                      tag=PAYLOAD_TAG, counts_as_step=index == 0 and not accumulate))
+            contribs.append(compute(step, held, piece.rows))
         if accumulate:
+            contrib = _join(contribs)
             if acc_pending is not None:
                 acc_pending.wait()
                 for lane_c, lane_r in zip(contrib, acc_in):
                     for c, r in zip(lane_c, lane_r):
                         c.add_(r)
             if steps > 1:
-                acc_pending, acc_in = _exchange(
-                    comm, lanes, position, contrib, op=op + "_grad", tag=ACCUMULATOR_TAG, counts_as_step=True
-                )
+                acc_in = [[torch.empty_like(c) for c in lane_c] for lane_c in contrib]
+                acc_pending = _exchange(comm, lanes, position, contrib, acc_in, op=op + "_grad",
+                                        tag=ACCUMULATOR_TAG, counts_as_step=True)
                 home = acc_in
             else:
-                home = [list(c) for c in contrib]
-        if payload_pending is not None:
-            payload_pending.wait()
+                home = contrib
+        for hop in hops:
+            hop.wait()
+        if incoming is not None:
             payloads = incoming
     if acc_pending is not None:
         acc_pending.wait()

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from .layout import Segment, split_rows, split_segments
-from .schedule import Lane
+from .initial_send import PieceTransfer
+from .layout import Segment, segment_rows, split_rows, split_segments
+from .schedule import Lane, Piece
 from .topology import StarTrailTopology
 
 TRANSFERS = ("ring", "multiring")
@@ -44,8 +45,18 @@ class LaneSplit:
         self.rows = rows
         self._segments_of = segments_of
 
-    def part_segments(self, origin: int, lane: int) -> tuple[Segment, ...]:
-        return split_segments(self._segments_of(origin), len(self.lanes))[lane]
+    def part_segments(self, origin: int, lane: int, rows: tuple[int, int] | None = None) -> tuple[Segment, ...]:
+        """Segments of lane ``lane``'s part of ``origin``'s payload (only ``rows`` of it, if given)."""
+        part = split_segments(self._segments_of(origin), len(self.lanes))[lane]
+        return part if rows is None else segment_rows(part, *rows)
+
+    def pieces(self, arriving: PieceTransfer) -> list[Piece]:
+        """The pieces of ``arriving`` (rows of the whole payload) as rows of every lane's part."""
+        parts = split_rows(self.rows, len(self.lanes))
+        return [
+            Piece(tuple((min(max(a, la), lb) - la, min(max(b, la), lb) - la) for la, lb in parts), landed)
+            for (a, b), landed in zip(arriving.bounds, arriving.landed)
+        ]
 
     def split(self, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         """Per lane, its part of each ``[rows, ...]`` tensor (views)."""

@@ -7,6 +7,7 @@ from megatron_startrail.blocks import merge_lse_, merge_partials
 from megatron_startrail.kernels import ReferenceKernel, TorchCPUFlashKernel, select_kernel
 from megatron_startrail.layout import (
     plan_blocks,
+    segment_rows,
     split_rows,
     split_segments,
     startrail_position_chunks,
@@ -144,6 +145,19 @@ def test_split_segments_cuts_storage_in_contiguous_parts():
     assert split_rows(21, 4) == [(0, 5), (5, 10), (10, 15), (15, 21)]
     assert parts[1] == ((0, 26, 28), (0, 0, 3))  # rows 5..10: the end of chunk 3, the start of chunk 0
     assert torch.equal(_positions(sum(parts, ())), _positions(segs))
+
+
+def test_segment_rows_is_a_row_slice_of_the_storage():
+    # A piece of a lane's part (multiring parts and initial-send pieces do not align),
+    # with documents and padding: the segments of rows [a, b) hold exactly those rows.
+    segs = ((0, 3, 7), (-1, 7, 9), (1, 0, 5), (2, 10, 12))  # 13 rows
+
+    def per_row(segments):  # (document, position) of every row
+        return [(doc, t) for doc, lo, hi in segments for t in range(lo, hi)]
+
+    for a, b in ((0, 13), (2, 6), (4, 11), (6, 6), (12, 13)):
+        assert per_row(segment_rows(segs, a, b)) == per_row(segs)[a:b]
+    assert segment_rows(segs, 5, 10) == ((-1, 8, 9), (1, 0, 4))  # cut inside the padding
 
 
 @pytest.mark.parametrize("cp", [2, 4, 8, 16])

@@ -23,9 +23,11 @@ def multiring_worker(rank, world_size, team_size):
         ref = reference_with_grads(*full, causal, 8**-0.5)
         q, k, v, dout = (local_rows(t, rank, world_size).float() for t in full)
         q, k, v = (t.requires_grad_(True) for t in (q, k, v))
-        out = startrail_attn(q, k, v, groups, causal=causal, transfer="multiring")
+        regather = kv_heads == 1  # the backward's initial send lands in pieces on the lanes too
+        out = startrail_attn(q, k, v, groups, causal=causal, transfer="multiring", regather_in_backward=regather)
         out.backward(dout)
-        case = f"n={world_size} C={team_size} causal={causal} kv_heads={kv_heads} rotation={rotation}"
+        case = (f"n={world_size} C={team_size} causal={causal} kv_heads={kv_heads} rotation={rotation} "
+                f"regather={regather}")
         for name, got, want in zip(("out", "dq", "dk", "dv"), (out, q.grad, k.grad, v.grad), ref):
             err = relative_error(got, local_rows(want, rank, world_size))
             if not err <= TOLERANCE[torch.float32]:
@@ -33,7 +35,7 @@ def multiring_worker(rank, world_size, team_size):
         # Same bytes and steps as the single ring; spread over every sub-ring peer.
         shape = AttentionShape(2 * CHUNK, 1, 4, kv_heads, 8, 4)
         want = expected_comm(shape, cp_size=world_size, team_size=team_size,
-                             startrail_rank=groups.startrail_rank, rotation=rotation)
+                             startrail_rank=groups.startrail_rank, rotation=rotation, regather_in_backward=regather)
         for phase, stats in (("forward", groups.last_forward_stats), ("backward", groups.last_backward_stats)):
             for field, value in want[phase].items():
                 if getattr(stats, field) != value:

@@ -1,0 +1,86 @@
+"""The initial send (paper Alg. 2) and its reverse, in pieces.
+
+The team's K, V ``kv_team [C*n, b, hkv, dqk + dv]`` travel as ``C`` row pieces, one per
+team member's ``n`` rows (row slices: no copies), each its own transfer, so that the
+sub-ring's step 0 can attend to the first piece while the others are still on the wire
+(:func:`~megatron_startrail.schedule.rotate`'s ``pieces``). The ``C`` transfers are one
+sequential round, counted as one P2P step. The backward sends dK, dV back the same way,
+piece by piece as each becomes final.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .comm import Communicator, PendingP2P
+from .layout import split_rows
+from .topology import StarTrailTopology
+
+
+class PieceTransfer:
+    """A ``[C*n, ...]`` tensor landing in row pieces: rows ``bounds[j]`` of ``tensor`` are
+    here once ``landed[j]`` completes (``None``: already here)."""
+
+    def __init__(self, tensor: torch.Tensor, bounds: list[tuple[int, int]], landed: list[PendingP2P | None]):
+        self.tensor, self.bounds, self.landed = tensor, bounds, landed
+
+    @classmethod
+    def local(cls, tensor: torch.Tensor, pieces: int) -> PieceTransfer:
+        """A tensor already here, cut into the same pieces as a transfer of it would be."""
+        return cls(tensor, split_rows(tensor.shape[0], pieces), [None] * pieces)
+
+    def piece(self, j: int) -> torch.Tensor:
+        """Rows of piece ``j``, once landed (a view)."""
+        if self.landed[j] is not None:
+            self.landed[j].wait()
+        a, b = self.bounds[j]
+        return self.tensor[a:b]
+
+    def wait(self) -> torch.Tensor:
+        for j in range(len(self.bounds)):
+            self.piece(j)
+        return self.tensor
+
+
+def post_initial_send(comm: Communicator, topo: StarTrailTopology, pos: int, kv_team: torch.Tensor, *,
+                      op: str) -> PieceTransfer:
+    """Post the initial send of ``kv_team`` to ``init_send_dst(pos)`` in ``C`` pieces; returns
+    what ``pos`` starts the sub-ring with, landing (``kv_team`` itself when it maps to itself)."""
+    c = topo.team_size
+    dst, src = topo.init_send_dst(pos), topo.init_send_src(pos)
+    if dst == pos:
+        return PieceTransfer.local(kv_team, c)
+    kv_init = torch.empty_like(kv_team)
+    bounds = split_rows(kv_team.shape[0], c)
+    landed = [
+        comm.post([(kv_team[a:b], dst)], [(kv_init[a:b], src)], op=op, counts_as_step=j == 0)
+        for j, (a, b) in enumerate(bounds)
+    ]
+    return PieceTransfer(kv_init, bounds, landed)
+
+
+class ReverseInitialSend:
+    """dK, dV ``dkv_init [C*n, b, hkv, dqk + dv]`` back along the reverse of the initial
+    send, in the pieces of the forward: :meth:`send` posts piece ``j`` as soon as it is
+    final; :meth:`wait` posts whatever is left and returns this rank's team dK, dV."""
+
+    def __init__(self, comm: Communicator, topo: StarTrailTopology, pos: int, dkv_init: torch.Tensor,
+                 bounds: list[tuple[int, int]], *, op: str = "init_send_reverse") -> None:
+        self._comm, self._op, self._dkv, self._bounds = comm, op, dkv_init, bounds
+        self._dst, self._src = topo.init_send_dst(pos), topo.init_send_src(pos)
+        self._back = dkv_init if self._dst == pos else torch.empty_like(dkv_init)
+        self._posted: dict[int, PendingP2P] = {}
+
+    def send(self, j: int) -> None:
+        if j in self._posted or self._back is self._dkv:  # posted, or nothing to move
+            return
+        a, b = self._bounds[j]
+        self._posted[j] = self._comm.post([(self._dkv[a:b], self._src)], [(self._back[a:b], self._dst)],
+                                          op=self._op, counts_as_step=not self._posted)
+
+    def wait(self) -> torch.Tensor:
+        for j in range(len(self._bounds)):
+            self.send(j)
+        for pending in self._posted.values():
+            pending.wait()
+        return self._back
