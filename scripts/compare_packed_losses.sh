@@ -14,6 +14,8 @@
 # holds EOD ids inside it: --reset-attention-mask cuts it there, while the dataset's cu_seqlens
 # (--dataloader-inter-document-masking) do not, and the two runs mask different documents
 # (VOCAB=1024 shows it). With vocab >= 4096 EOD ends documents only.
+# DATA=licenses: the bundled license texts instead (Megatron's indexed dataset, one document
+# per license, bytes + EOD 256: no EOD inside a document at any length), the main job's data.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/env.sh"
@@ -22,7 +24,12 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 OUT="${OUT:-$(mktemp -d)}"
 mkdir -p "$OUT"
 SEQ="${SEQ:-4096}"
-COMMON=(--mock-data --tokenizer-type NullTokenizer --vocab-size "${VOCAB:-4096}"
+if [ "${DATA:-mock}" = licenses ]; then
+    DATA_ARGS=()  # examples/pretrain_gpt.py's default data
+else
+    DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size "${VOCAB:-4096}")
+fi
+COMMON=("${DATA_ARGS[@]}"
     --seq-length "$SEQ" --max-position-embeddings "$SEQ" --tensor-model-parallel-size 2
     --num-layers 2 --hidden-size 128 --num-attention-heads 8
     --micro-batch-size 1 --global-batch-size 2 --train-iters "${ITERS:-4}"
