@@ -8,6 +8,8 @@ is calibrated per cluster, then compared with the attention rows it never saw.
 
 * ``step_latency_s``: one tiny ring exchange over all ranks (process scheduling as much
   as the network on a shared CPU).
+* ``collective_latency_s``: one tiny all-to-all among the ranks of a node (a collective
+  call's cost beyond its bytes).
 * ``inter_node_gbs``: every rank sends to the same-index rank of the next node and
   receives from the previous one (all of a node's ranks share its shaped uplink):
   bytes per node / time. What TCP over ``tc tbf`` really delivers, below the nominal rate.
@@ -64,6 +66,15 @@ def measure_cluster(per_node: int, nominal_mbit: float, q, k, v, dout, causal: b
 
     tiny = _exchange((rank + 1) % world, (rank - 1) % world, 4)
     out["step_latency_s"] = _timed_max(lambda: [w.wait() for w in tiny()], 15)
+
+    if per_node > 1:
+        # One tiny all-to-all among the ranks of each node: what a collective call costs
+        # beyond its bytes (Ulysses' all-to-alls and the team's collectives are such calls;
+        # gloo's cost more than one P2P step).
+        node_groups = [dist.new_group(list(range(n * per_node, (n + 1) * per_node))) for n in range(nodes)]
+        mine = node_groups[rank // per_node]
+        small_in, small_out = torch.rand(per_node), torch.empty(per_node)
+        out["collective_latency_s"] = _timed_max(lambda: dist.all_to_all_single(small_out, small_in, group=mine), 15)
 
     message = 2 * k.numel() * k.element_size()
     node_base = rank - rank % per_node

@@ -11,7 +11,10 @@ gives (:mod:`megatron_startrail.topology`), and prices every step on the cluster
                    a node's bytes to other nodes / the node's inter-node bandwidth
                    (and one rank's / its own NIC's share)
     attention    = team all-gather + initial send + sub-ring steps (overlapped with
-                   compute) + team merge, forward and backward, + Ulysses all-to-alls
+                   compute) + team merge, forward and backward, + Ulysses all-to-alls,
+                   less what the pipelined initial send hides behind step 0 (its C
+                   pieces each attended as it lands) and, with the backward rotation
+                   "q", what the reverse send hides behind the last step
 
 Bandwidths are *effective* rates (what the transport delivers, measured per cluster:
 benchmarks/calibration.py on the emulated cluster, NCCL-test figures for the paper's
@@ -54,6 +57,8 @@ class ClusterSpec:
     nics_per_node: int = 8
     intra_latency_s: float = 5e-6
     inter_latency_s: float = 20e-6
+    # A collective call's latency when it exceeds a P2P step's (None: the same).
+    collective_latency_s: float | None = None
     attention_tflops: float = 150.0  # effective, per GPU
     # Fraction of min(compute, transfer) of an overlapped step that is hidden.
     overlap: float = 1.0
@@ -162,7 +167,7 @@ def _collective_time(cluster: ClusterSpec, groups: list[list[int]], bytes_per_ra
     if not sends:
         return t, inter
     crosses = any(cluster.node_of(a) != cluster.node_of(b) for a, b, _ in sends)
-    latency = cluster.inter_latency_s if crosses else cluster.intra_latency_s
+    latency = max(cluster.inter_latency_s if crosses else cluster.intra_latency_s, cluster.collective_latency_s or 0.0)
     hops = max(len(g) for g in groups) - 1 if ring else 1
     return t + (calls * hops - 1) * latency, inter
 
@@ -217,8 +222,10 @@ def predict(cluster: ClusterSpec, work: Workload, cp_size: int, team_size: int, 
         return _exchange_time(cluster, [(cp_rank(p, x), cp_rank(topo.init_send_dst(p), x), nbytes)
                                         for p in positions for x in range(u)])
 
-    for nbytes in [c * ekv * e] + ([c * ekv * e] if regather_in_backward else []):
-        add(initial_send(nbytes))
+    init_fwd = initial_send(c * ekv * e)
+    add(init_fwd)
+    if regather_in_backward:
+        add(init_fwd)
     # Sub-ring steps, overlapped with the compute of the step they feed.
     # One lane per ring of the transfer (multi-ring: the sub-ring's Hamiltonian cycles),
     # each carrying its share of the step's bytes to its own next rank.
@@ -253,6 +260,28 @@ def predict(cluster: ClusterSpec, work: Workload, cp_size: int, team_size: int, 
         add(_collective_time(cluster, teams, (c - 1) * ekv * a))
     else:
         add(reverse)
+    # Pipelining (schedule.rotate's pieces): the initial send lands in C pieces and step 0
+    # attends to each as it lands, so of the send's time T and step 0's compute S only
+    # max(T + S/C, T/C + S) is exposed, i.e. (C-1)/C x min(T, S) hides (as much as the
+    # cluster overlaps). The same in the backward when it regathers, and for the reverse
+    # send behind the last step's compute with rotation "q" (each piece goes back once
+    # the last step has computed it).
+    # Each piece is its own message, so every transfer cut in pieces (the initial send,
+    # step 0's hop, the reverse send) pays C - 1 more latencies: on a cluster whose
+    # latency is large next to step 0's compute (the CPU emulation) pipelining costs time.
+    def pipelined(transfer_s: float, step_compute_s: float) -> float:
+        return cluster.overlap * (c - 1) / c * min(transfer_s, step_compute_s)
+
+    total -= pipelined(init_fwd[0], compute_fwd / g)
+    if regather_in_backward:
+        total -= pipelined(init_fwd[0], compute_bwd / g)
+    rotation = choose_backward_rotation(shape, u, c)
+    if rotation == "q":
+        total -= pipelined(reverse[0], compute_bwd / g)
+    # forward: initial send, step 0's hop; backward: reverse send, [initial send again],
+    # step 0's hop of K, V (rotation "kv")
+    cut_transfers = 2 + regather_in_backward + (g > 1) + (g > 1 and rotation == "kv")
+    total += (c - 1) * cut_transfers * cluster.inter_latency_s
     compute = compute_fwd + compute_bwd
     kept = work.layers * kept_for_backward_bytes(shape, ulysses_size=u, team_size=c,
                                                  regather_in_backward=regather_in_backward)
