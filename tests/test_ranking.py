@@ -1,0 +1,29 @@
+"""benchmarks/ranking.py: which measured orders count, and which predictions get them wrong."""
+
+from benchmarks.ranking import clear_pairs, ranking_errors, ties
+
+
+def row(name, times):
+    return {"name": name, "time_ms": times}
+
+
+def test_interleaved_rounds_give_a_clear_order_only_when_every_round_agrees():
+    a = row("a", [10, 11, 12, 10, 11])
+    b = row("b", [12, 13, 14, 11, 12])  # slower in every round
+    c = row("c", [11, 10, 13, 9, 12])  # beats a in round 2 and 4: no clear order with a
+    rows = [a, b, c]
+    assert sorted(clear_pairs(rows, interleaved=True)) == [("a", "b")]
+    assert sorted(ties(rows, interleaved=True)) == [("a", "c"), ("b", "c")]
+    # a prediction that swaps a and b is wrong; one that swaps a and c is not judged
+    assert ranking_errors(rows, {"a": 2.0, "b": 1.0, "c": 3.0}, interleaved=True) == [("a", "b")]
+    assert ranking_errors(rows, {"a": 2.0, "b": 3.0, "c": 1.0}, interleaved=True) == []
+
+
+def test_sequential_runs_need_disjoint_time_ranges():
+    a = row("a", [10, 14, 12])
+    b = row("b", [13, 15, 16])  # faster in every position, but the ranges overlap (14 > 13)
+    d = row("d", [20, 21, 22])
+    assert clear_pairs([a, b], interleaved=True) == [("a", "b")]
+    assert clear_pairs([a, b], interleaved=False) == []
+    assert sorted(clear_pairs([a, b, d], interleaved=False)) == [("a", "d"), ("b", "d")]
+    assert ranking_errors([a, d], {"a": 5.0, "d": 5.0}, interleaved=False) == [("a", "d")]  # a tie is not an order
