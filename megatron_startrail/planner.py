@@ -172,8 +172,9 @@ def _collective_time(cluster: ClusterSpec, groups: list[list[int]], bytes_per_ra
     count as one call: their bytes add up in ``bytes_per_rank``).
 
     ``ring``: an all-gather / reduce-scatter, which the libraries run as a ring of
-    ``n - 1`` sequential hops (gloo; NCCL's ring algorithm): each hop pays a latency.
-    Otherwise an all-to-all: every pair exchanges at once, one latency. Bandwidth is
+    ``n - 1`` sequential hops (gloo; NCCL's ring algorithm): the call pays a collective
+    call's latency, every further hop a P2P step's. Otherwise an all-to-all: every pair
+    exchanges at once, one call latency. Bandwidth is
     priced as a ring over the group's members in either case."""
     sends = []
     for g in groups:
@@ -184,9 +185,12 @@ def _collective_time(cluster: ClusterSpec, groups: list[list[int]], bytes_per_ra
     if not sends:
         return t, inter
     crosses = any(cluster.node_of(a) != cluster.node_of(b) for a, b, _ in sends)
-    latency = max(cluster.inter_latency_s if crosses else cluster.intra_latency_s, cluster.collective_latency_s or 0.0)
+    hop_latency = cluster.inter_latency_s if crosses else cluster.intra_latency_s
+    call_latency = max(hop_latency, cluster.collective_latency_s or 0.0)
     hops = max(len(g) for g in groups) - 1 if ring else 1
-    return t + (calls * hops - 1) * latency, inter
+    # Each call: its own start (a collective call's latency), then hop after hop; the
+    # exchange above already counted one hop's latency.
+    return t + calls * (call_latency + (hops - 1) * hop_latency) - hop_latency, inter
 
 
 def _shape(work: Workload, cp_size: int) -> AttentionShape:
