@@ -13,8 +13,6 @@ is calibrated per cluster, then compared with the attention rows it never saw.
 * ``inter_node_gbs``: every rank sends to the same-index rank of the next node and
   receives from the previous one (all of a node's ranks share its shaped uplink):
   bytes per node / time. What TCP over ``tc tbf`` really delivers, below the nominal rate.
-  ``inter_node_gbs_by_flows``: ``[(n, rate)]``, the same with only ``n`` ranks per node
-  sending (``n`` flows sharing the link).
 * ``intra_node_gbs``: every rank exchanges with its neighbour inside the node over
   loopback: bytes per rank / time (loopback costs CPU, which the ranks share).
 * ``attention_tflops``: every rank runs the block kernel's forward+backward on its own
@@ -100,17 +98,6 @@ def measure_cluster(per_node: int, nominal_mbit: float, q, k, v, dout, causal: b
     if nodes > 1:
         t_x = _timed_max(lambda: [w.wait() for w in stream("inter", inter_messages)()], 5)
         out["inter_node_gbs"] = per_node * inter_messages * message / t_x / 1e9
-        # The same with only the first ``n`` ranks of every node sending (``n`` TCP flows
-        # per link): on a slow shaped link one flow gets close to the nominal rate and
-        # several get less (a 25 Mbit/s link: ~96% vs 74% for 4 flows), and the schedules
-        # differ in how many flows cross at once (ring: 1, StarTrail's initial send: C, ...).
-        by_flows = {per_node: out["inter_node_gbs"]}
-        for n in range(1, per_node):
-            messages = max(1, round(nominal_mbit * 1e6 / 8 * 1.0 / n / message))
-            run = stream("inter", messages)
-            t_n = _timed_max(lambda: [w.wait() for w in run()] if rank % per_node < n else None, 3)
-            by_flows[n] = n * messages * message / t_n / 1e9
-        out["inter_node_gbs_by_flows"] = sorted(by_flows.items())
     if per_node > 1:
         intra_messages = 8
         t_l = _timed_max(lambda: [w.wait() for w in stream("intra", intra_messages)()], 5)

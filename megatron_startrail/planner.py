@@ -57,9 +57,6 @@ class ClusterSpec:
     nics_per_node: int = 8
     intra_latency_s: float = 5e-6
     inter_latency_s: float = 20e-6
-    # Effective inter-node rate by the number of ranks of a node sending across at once
-    # (TCP flows sharing its link), ((flows, GB/s), ...) ascending; None: inter_node_gbs.
-    inter_node_gbs_by_flows: tuple[tuple[int, float], ...] | None = None
     # A collective call's latency when it exceeds a P2P step's (None: the same).
     collective_latency_s: float | None = None
     attention_tflops: float = 150.0  # effective, per GPU
@@ -72,13 +69,6 @@ class ClusterSpec:
     inter_node_mesh: bool = False
     # CP rank c sits on global rank c * cp_stride (Megatron's order tp-cp-...: stride = TP).
     cp_stride: int = 1
-
-    def inter_node_rate(self, flows: int) -> float:
-        """Bytes/s of one node's inter-node link when ``flows`` of its ranks send across."""
-        if not self.inter_node_gbs_by_flows:
-            return self.inter_node_gbs * 1e9
-        below = [gbs for n, gbs in self.inter_node_gbs_by_flows if n <= flows]
-        return (below[-1] if below else self.inter_node_gbs_by_flows[0][1]) * 1e9
 
     def node_of(self, cp_rank: int) -> int:
         return (cp_rank * self.cp_stride) // self.gpus_per_node
@@ -127,7 +117,6 @@ def _exchange_time(cluster: ClusterSpec, sends: list[tuple[int, int, float]]) ->
     inter_link: dict = {}
     inter_node: dict[int, float] = {}
     inter_rank: dict[int, float] = {}
-    senders: dict[int, set] = {}  # node -> its ranks sending to other nodes
     for src, dst, nbytes in sends:
         if src == dst or nbytes == 0:
             continue
@@ -139,7 +128,6 @@ def _exchange_time(cluster: ClusterSpec, sends: list[tuple[int, int, float]]) ->
             inter_link[(a, b)] = inter_link.get((a, b), 0.0) + nbytes
             inter_node[a] = inter_node.get(a, 0.0) + nbytes
             inter_rank[src] = inter_rank.get(src, 0.0) + nbytes
-            senders.setdefault(a, set()).add(src)
     t = 0.0
     if intra:
         links = max(1, cluster.gpus_per_node - 1) if cluster.intra_node_mesh else 1
@@ -149,13 +137,8 @@ def _exchange_time(cluster: ClusterSpec, sends: list[tuple[int, int, float]]) ->
         if cluster.inter_node_mesh:
             t = max(t, max(inter_link.values()) / rate + cluster.inter_latency_s)
         else:
-            # Per node: its link at the rate for the number of its ranks sending across,
-            # and each sending rank at most its own NIC's share of that.
-            for node, nbytes in inter_node.items():
-                node_rate = cluster.inter_node_rate(len(senders[node]))
-                rank_bytes = max(inter_rank[r] for r in senders[node])
-                t = max(t, nbytes / node_rate + cluster.inter_latency_s,
-                        rank_bytes / (node_rate / cluster.nics_per_node) + cluster.inter_latency_s)
+            t = max(t, max(inter_node.values()) / rate + cluster.inter_latency_s,
+                    max(inter_rank.values()) / (rate / cluster.nics_per_node) + cluster.inter_latency_s)
     return t, max(inter_node.values(), default=0.0)
 
 
