@@ -55,6 +55,17 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _timed(timeline, op: str, fn):
+    """Run ``fn`` (something that blocks) and return its result; with a ``timeline``, the
+    time it blocked is recorded there under ``op``."""
+    if timeline is None:
+        return fn()
+    start = time.perf_counter()
+    result = fn()
+    timeline.add(op, start, time.perf_counter())
+    return result
+
+
 class PendingP2P:
     """Handles of one posted batch of sends/receives; ``wait()`` completes all of them
     (and records the time blocked in ``timeline`` under ``op``, if one is given). Until
@@ -66,12 +77,9 @@ class PendingP2P:
         self._timeline, self._op = timeline, op
 
     def wait(self) -> None:
-        start = time.perf_counter() if self._timeline is not None and self._works else None
-        for w in self._works:
-            w.wait()
+        if self._works:
+            _timed(self._timeline, self._op, lambda: [w.wait() for w in self._works])
         self._works, self._tensors = [], None
-        if start is not None:
-            self._timeline.add(self._op, start, time.perf_counter())
 
 
 class PendingCollective:
@@ -84,11 +92,8 @@ class PendingCollective:
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
-            start = time.perf_counter() if self._timeline is not None else None
-            self._work.wait()
+            _timed(self._timeline, self._op, self._work.wait)
             self._work = None
-            if start is not None:
-                self._timeline.add(self._op, start, time.perf_counter())
         return self._out
 
 
@@ -111,12 +116,7 @@ class Communicator:
         span recorded when a timeline is on) or started (returns a :class:`PendingCollective`)."""
         if not wait:
             return PendingCollective(fn(*args, async_op=True, **kwargs), out, self.timeline, name)
-        if self.timeline is None:
-            fn(*args, **kwargs)
-            return out
-        start = time.perf_counter()
-        fn(*args, **kwargs)
-        self.timeline.add(name, start, time.perf_counter())
+        _timed(self.timeline, name, lambda: fn(*args, **kwargs))
         return out
 
     @staticmethod

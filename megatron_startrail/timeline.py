@@ -14,9 +14,6 @@ schedule for tables and plots.
 
 from __future__ import annotations
 
-import time
-from contextlib import contextmanager
-
 # Phase of the schedule -> op names whose waits it covers (forward and backward).
 PHASES = {
     "team gather": ("team_all_gather", "regather_team_all_gather"),
@@ -41,20 +38,8 @@ class Timeline:
     def __init__(self) -> None:
         self.spans: list[tuple[str, float, float]] = []
 
-    @staticmethod
-    def now() -> float:
-        return time.perf_counter()
-
     def add(self, op: str, start: float, end: float) -> None:
         self.spans.append((op, start, end))
-
-    @contextmanager
-    def span(self, op: str):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.spans.append((op, start, time.perf_counter()))
 
     def clear(self) -> None:
         self.spans.clear()
