@@ -234,7 +234,8 @@ def predict(cluster: ClusterSpec, work: Workload, cp_size: int, team_size: int, 
     # One lane per ring of the transfer (multi-ring: the sub-ring's Hamiltonian cycles),
     # each carrying its share of the step's bytes to its own next rank.
     lanes = {p: sub_ring_lanes(topo, p, transfer) for p in positions}
-    payload_bwd, accumulator_bwd = backward_p2p_parts(shape, u, c)[choose_backward_rotation(shape, u, c)]
+    rotation = choose_backward_rotation(shape, u, c)
+    payload_bwd, accumulator_bwd = backward_p2p_parts(shape, u, c)[rotation]
 
     def ring_round(nbytes: float) -> tuple[float, float]:
         return _exchange_time(cluster, [
@@ -279,7 +280,6 @@ def predict(cluster: ClusterSpec, work: Workload, cp_size: int, team_size: int, 
     total -= pipelined(init_fwd[0], compute_fwd / g)
     if regather_in_backward:
         total -= pipelined(init_fwd[0], compute_bwd / g)
-    rotation = choose_backward_rotation(shape, u, c)
     if rotation == "q":
         total -= pipelined(reverse[0], compute_bwd / g)
     # forward: initial send, step 0's hop; backward: reverse send, [initial send again],
