@@ -39,19 +39,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_startrail.planner import BACKWARD_FLOPS_RATIO, ClusterSpec, Workload, predict  # noqa: E402
 
 NVLINK_EFFICIENCY, IB_EFFICIENCY, ETHERNET_EFFICIENCY, GPU_OVERLAP = 0.9, 0.9, 0.5, 0.7
+
+
+def _a100_ethernet(gpus_per_node: int) -> dict:
+    """The paper's A100 nodes (Google Cloud): NVLink 3 inside, one 100 Gbit/s Ethernet link out."""
+    return dict(gpus_per_node=gpus_per_node, intra_node_gbs=300 * NVLINK_EFFICIENCY,
+                inter_node_gbs=12.5 * ETHERNET_EFFICIENCY, nics_per_node=1, attention_tflops=170,
+                overlap=GPU_OVERLAP)
+
+
 CLUSTERS = {
     "H100 8 GPU/node, 8x400Gbps IB": dict(gpus_per_node=8, intra_node_gbs=450 * NVLINK_EFFICIENCY,
                                           inter_node_gbs=400 * IB_EFFICIENCY, nics_per_node=8,
                                           attention_tflops=350, overlap=GPU_OVERLAP),
-    "A100 16 GPU/node, 100Gbps Eth": dict(gpus_per_node=16, intra_node_gbs=300 * NVLINK_EFFICIENCY,
-                                          inter_node_gbs=12.5 * ETHERNET_EFFICIENCY, nics_per_node=1,
-                                          attention_tflops=170, overlap=GPU_OVERLAP),
-    "A100 8 GPU/node, 100Gbps Eth": dict(gpus_per_node=8, intra_node_gbs=300 * NVLINK_EFFICIENCY,
-                                         inter_node_gbs=12.5 * ETHERNET_EFFICIENCY, nics_per_node=1,
-                                         attention_tflops=170, overlap=GPU_OVERLAP),
-    "A100 4 GPU/node, 100Gbps Eth": dict(gpus_per_node=4, intra_node_gbs=300 * NVLINK_EFFICIENCY,
-                                         inter_node_gbs=12.5 * ETHERNET_EFFICIENCY, nics_per_node=1,
-                                         attention_tflops=170, overlap=GPU_OVERLAP),
+    **{f"A100 {n} GPU/node, 100Gbps Eth": _a100_ethernet(n) for n in (16, 8, 4)},
 }
 WORKLOADS = {  # name: (workload, hidden size)
     "GPT-3B/7B, 128K": (Workload(131072, heads=32, kv_heads=32, head_dim=128, causal=True), 4096),
