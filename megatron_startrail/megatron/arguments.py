@@ -189,12 +189,18 @@ def _check_forced_kernel(args, heads: int, kv_heads: int) -> None:
 
     from ..kernels import KernelRequest, choose_kernel, usable_backends  # noqa: PLC0415
 
-    dtype = torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) \
-        else torch.float32
+    dtype = getattr(torch, _attention_dtype(args))
     qk_dim, v_dim = _head_dims(args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     choose_kernel(KernelRequest(device.type, dtype, qk_dim, v_dim, max(1, heads // kv_heads),
                                 usable_backends(device)), args.startrail_kernel)
+
+
+def _attention_dtype(args) -> str:
+    """The torch dtype name of the attention inputs under Megatron's precision flags."""
+    if getattr(args, "bf16", False):
+        return "bfloat16"
+    return "float16" if getattr(args, "fp16", False) else "float32"
 
 
 def _head_dims(args) -> tuple[int, int]:
@@ -210,7 +216,7 @@ def _planner_inputs(args, heads: int, kv_heads: int) -> dict:
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size))
     # Ranks are ordered tp-cp-...: a node of N ranks holds N / TP consecutive positions of a CP group.
     cp_ranks_per_node = max(1, local_ranks // tp)
-    dtype_bytes = 2 if (getattr(args, "bf16", False) or getattr(args, "fp16", False)) else 4
+    dtype_bytes = 4 if _attention_dtype(args) == "float32" else 2
     qk_dim, v_dim = _head_dims(args)
     limit = getattr(args, "startrail_memory_limit_gb", None)
     return dict(
