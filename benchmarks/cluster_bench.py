@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from benchmarks.netns_cluster import EmulatedCluster, check_requirements  # noqa: E402
 from benchmarks.peer_models import predict_torch_ring  # noqa: E402
-from benchmarks.ranking import clear_pairs, ranking_errors  # noqa: E402
+from benchmarks.ranking import check_ranking  # noqa: E402
 from benchmarks.timeline_report import phase_summary, phase_table, plot_timeline  # noqa: E402
 from megatron_startrail.planner import ClusterSpec, Workload, predict  # noqa: E402
 from megatron_startrail.topology import valid_team_sizes  # noqa: E402
@@ -72,13 +72,7 @@ def ranking_report(results: list[dict], interleaved: bool = True) -> str:
              "| pairs measured in one order every round | of them ordered wrongly |", "|---|---|---|---|---|---|"]
     for rate in sorted({r["rate_mbit"] for r in results}):
         rows = [r for r in results if r["rate_mbit"] == rate]
-        measured = [r["name"] for r in sorted(rows, key=lambda r: r["time_ms_median"])]
-        predicted = [r["name"] for r in sorted(rows, key=lambda r: r["predicted_ms"])]
-        clear = clear_pairs(rows, interleaved)
-        wrong = ranking_errors(rows, {r["name"]: r["predicted_ms"] for r in rows}, interleaved)
-        lines.append(f"| {rate:g} | {' < '.join(measured)} | {' < '.join(predicted)} | "
-                     f"{'yes' if measured == predicted else 'no'} | {len(clear)} | "
-                     f"{', '.join(f'{a} < {b}' for a, b in wrong) or 'none'} |")
+        lines.append(f"| {rate:g} | {check_ranking(rows, interleaved).cells()} |")
     return "\n".join(lines)
 
 

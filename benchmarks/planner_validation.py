@@ -21,7 +21,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.cluster_bench import parser, predictions  # noqa: E402
-from benchmarks.ranking import clear_pairs, ranking_errors  # noqa: E402
+from benchmarks.ranking import check_ranking  # noqa: E402
 
 TOLERANCE = 0.20
 
@@ -63,18 +63,11 @@ def report(rows: list[dict]) -> str:
     clear_total = wrong_total = 0
     for key in dict.fromkeys(cluster_key(r) for r in rows):
         group = [r for r in rows if cluster_key(r) == key]
-        measured = [r["name"] for r in sorted(group, key=lambda r: r["time_ms_median"])]
-        predicted = [r["name"] for r in sorted(group, key=lambda r: r["predicted_ms"])]
         cal = group[0]["calibration"]
-        interleaved = group[0]["interleaved"]
-        clear = clear_pairs(group, interleaved)
-        wrong = ranking_errors(group, {r["name"]: r["predicted_ms"] for r in group}, interleaved)
-        clear_total, wrong_total = clear_total + len(clear), wrong_total + len(wrong)
+        check = check_ranking(group, group[0]["interleaved"])
+        clear_total, wrong_total = clear_total + len(check.clear), wrong_total + len(check.wrong)
         lines.append(
-            f"| {key[4][:-5]} | {key[0]}x{key[1]} | {key[2]} | {key[3]:g} | {' < '.join(measured)} | "
-            f"{' < '.join(predicted)} | "
-            f"{'yes' if measured == predicted else 'no'} | {len(clear)} | "
-            f"{', '.join(f'{a} < {b}' for a, b in wrong) or 'none'} | "
+            f"| {key[4][:-5]} | {key[0]}x{key[1]} | {key[2]} | {key[3]:g} | {check.cells()} | "
             f"{1e3 * cal.get('inter_node_gbs', 0):.1f}, "
             f"{1e3 * cal.get('intra_node_gbs', 0):.0f}, {1e3 * cal['attention_tflops']:.1f}, "
             f"{cal.get('overlap', 1.0):.2f}, {1e3 * cal['step_latency_s']:.1f} |")

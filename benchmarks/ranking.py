@@ -15,6 +15,7 @@ measured; the strict ranking (medians) is reported next to it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import combinations
 
 
@@ -46,3 +47,28 @@ def ties(rows: list[dict], interleaved: bool) -> list[tuple[str, str]]:
     """Pairs without a clear measured order (within the noise of the run)."""
     clear = {frozenset(p) for p in clear_pairs(rows, interleaved)}
     return [(a["name"], b["name"]) for a, b in combinations(rows, 2) if frozenset((a["name"], b["name"])) not in clear]
+
+
+@dataclass(frozen=True)
+class RankingCheck:
+    """One cluster's rows (``time_ms_median``, ``time_ms``, ``predicted_ms``) compared."""
+
+    measured: list[str]  # fastest first, by median
+    predicted: list[str]  # fastest first
+    clear: list[tuple[str, str]]  # pairs with a clear measured order
+    wrong: list[tuple[str, str]]  # of those, predicted the other way
+
+    def cells(self) -> str:
+        """Table cells: measured ranking | predicted ranking | strict match | clear pairs | wrong ones."""
+        wrong = ", ".join(f"{a} < {b}" for a, b in self.wrong) or "none"
+        return (f"{' < '.join(self.measured)} | {' < '.join(self.predicted)} | "
+                f"{'yes' if self.measured == self.predicted else 'no'} | {len(self.clear)} | {wrong}")
+
+
+def check_ranking(rows: list[dict], interleaved: bool) -> RankingCheck:
+    return RankingCheck(
+        measured=[r["name"] for r in sorted(rows, key=lambda r: r["time_ms_median"])],
+        predicted=[r["name"] for r in sorted(rows, key=lambda r: r["predicted_ms"])],
+        clear=clear_pairs(rows, interleaved),
+        wrong=ranking_errors(rows, {r["name"]: r["predicted_ms"] for r in rows}, interleaved),
+    )
