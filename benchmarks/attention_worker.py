@@ -74,8 +74,10 @@ class ConfigRun:
     def timed_iteration(self, links: list[str]) -> None:
         """One timed forward+backward, all ranks starting together; ``links``: this node's
         inter-node interfaces when this rank counts the node's bytes (else empty)."""
-        dist.barrier()
+        # Read the counters before the barrier: once past it, the node's other ranks may
+        # already be sending this iteration's bytes.
         tx0 = node_tx_bytes(links)
+        dist.barrier()
         self.timeline.clear()
         start = time.perf_counter()
         self.kept = self.step()
