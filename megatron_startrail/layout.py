@@ -201,11 +201,6 @@ def rows_of_cp_ranks(docs: Documents, cp_ranks: tuple[int, ...]) -> tuple[Segmen
     return tuple(seg for r in cp_ranks for seg in cp_rank_segments(docs, r))
 
 
-def whole_chunks(chunks: tuple[int, ...], chunk_len: int) -> tuple[Segment, ...]:
-    """Whole chunks of a dense sequence (one document), in the order listed."""
-    return tuple((0, c * chunk_len, (c + 1) * chunk_len) for c in chunks)
-
-
 @functools.lru_cache(maxsize=4096)
 def split_segments(segments: tuple[Segment, ...], parts: int) -> tuple[tuple[Segment, ...], ...]:
     """Cut the storage into ``parts`` near-equal contiguous row ranges (cutting segments

@@ -4,19 +4,23 @@ import pytest
 import torch
 
 from megatron_startrail.blocks import merge_lse_, merge_partials
-from megatron_startrail.kernels import ReferenceKernel, TorchCPUFlashKernel, select_kernel
+from megatron_startrail.kernels import ReferenceKernel, TorchCPUFlashKernel, kernel_for
 from megatron_startrail.layout import (
     plan_blocks,
     segment_rows,
     split_rows,
     split_segments,
     startrail_position_chunks,
-    whole_chunks,
     zigzag_chunks,
 )
 from tests.attention_cases import TOLERANCE, plan_coverage, reference_with_grads, relative_error
 
 KERNELS = [ReferenceKernel(), TorchCPUFlashKernel()]
+
+
+def whole_chunks(chunks, chunk_len):
+    """Segments (document 0, start, stop) of whole chunks of one dense sequence, in the order listed."""
+    return tuple((0, c * chunk_len, (c + 1) * chunk_len) for c in chunks)
 
 
 def _bhsd(x):
@@ -172,10 +176,11 @@ def test_zigzag_pairs_balance_causal_work(cp):
             assert work == 2 * chunk_len**2 + (chunk_len if x == y else 0)
 
 
-def test_select_kernel():
-    assert select_kernel(torch.device("cpu")).name == "torch_cpu_flash"
-    assert select_kernel(torch.device("cpu"), "reference").name == "reference"
+def test_kernel_for_cpu_tensors():
+    q, k, v = (torch.randn(8, 2, 16) for _ in range(3))
+    assert kernel_for(q, k, v).name == "torch_cpu_flash"
+    assert kernel_for(q, k, v, "reference").name == "reference"
     with pytest.raises(ValueError, match="kernel"):
-        select_kernel(torch.device("cpu"), "flash_attn")
+        kernel_for(q, k, v, "flash_attn")
     with pytest.raises(ValueError, match="kernel"):
-        select_kernel(torch.device("cpu"), "nope")
+        kernel_for(q, k, v, "nope")

@@ -94,23 +94,8 @@ def kernel_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, name: str = "a
     return make_kernel(_choose(KernelRequest.of(q, k, v, usable_backends(q.device)), name).name)
 
 
-def select_kernel(
-    device: torch.device,
-    name: str = "auto",
-    *,
-    dtype: torch.dtype = torch.float32,
-    qk_head_dim: int = 64,
-    v_head_dim: int | None = None,
-    gqa_ratio: int = 1,
-) -> BlockKernel:
-    """The block kernel for a call described by its parts (defaults: float32, one head dim 64)."""
-    request = KernelRequest(device.type, dtype, qk_head_dim, v_head_dim or qk_head_dim, gqa_ratio,
-                            usable_backends(device))
-    return make_kernel(_choose(request, name).name)
-
-
 __all__ = [
     "BACKENDS", "BlockKernel", "KERNELS", "RULES", "KernelChoice", "KernelRequest", "ReferenceKernel",
     "TorchCPUFlashKernel", "check_kernel", "choose_kernel", "kernel_constraint", "kernel_for", "make_kernel",
-    "select_kernel", "usable_backends",
+    "usable_backends",
 ]
