@@ -15,9 +15,18 @@ is calibrated per cluster, then compared with the attention rows it never saw.
   after another: a single call right after a barrier also pays how unevenly the ranks
   leave the barrier (measured on 2x4: 5.4 ms for one all-to-all, 1.9 ms per call in a
   chain), which the attention does not pay per call.
-* ``inter_node_gbs``: every rank sends to the same-index rank of the next node and
-  receives from the previous one (all of a node's ranks share its shaped uplink):
-  bytes per node / time. What TCP over ``tc tbf`` really delivers, below the nominal rate.
+* ``inter_node_gbs``: every rank sends to a rank of the next node and receives from one of
+  the previous node (all of a node's ranks share its shaped uplink), each connection
+  carrying one direction only: bytes per node / time. What TCP over ``tc tbf`` really
+  delivers, below the nominal rate.
+* ``inter_node_duplex_gbs``: the same with every rank exchanging both ways with the
+  same-index rank of its partner node (nodes paired 0-1, 2-3, ...). gloo carries both
+  directions of a rank pair on one TCP connection, and that moves less: probed on 2x4
+  with one message per rank per round at 25 / 50 Mbit/s, one flow each way got 1.9 / 3.6
+  MB/s on one connection against 2.3 / 4.9 on two, four flows 2.6 / 5.4 against 2.9 / 5.8.
+  Ulysses x ring over 2 nodes (a ring of two) sends that way; ring attention's and
+  StarTrail-2's transfers on 2 nodes do not. (Before, the one figure was measured both
+  ways on 2 nodes, one way on more.)
 * ``intra_node_gbs``: every rank exchanges with its neighbour inside the node over
   loopback: bytes per rank / time (loopback costs CPU, which the ranks share).
 * ``attention_tflops``: every rank runs the block kernel's forward+backward on its own
@@ -94,12 +103,21 @@ def measure_cluster(per_node: int, nominal_mbit: float, q, k, v, dout, causal: b
             _chain(lambda: dist.all_to_all_single(small_out, small_in, group=mine)), 7) / CHAIN
 
     message = 2 * k.numel() * k.element_size()
-    node_base = rank - rank % per_node
-    hops = {"inter": (rank + per_node) % world, "intra": node_base + (rank + 1) % per_node}
-    froms = {"inter": (rank - per_node) % world, "intra": node_base + (rank - 1) % per_node}
+    node, index = divmod(rank, per_node)
+    node_base = node * per_node
+    # "inter": rank (n, i) sends to (n + 1, i + n) and so receives from (n - 1, i - (n - 1)):
+    # even with 2 nodes the two directions use different rank pairs (one per connection).
+    prev = (node - 1) % nodes
+    hops = {"inter": ((node + 1) % nodes) * per_node + (index + node) % per_node,
+            "intra": node_base + (index + 1) % per_node}
+    froms = {"inter": prev * per_node + (index - prev) % per_node,
+             "intra": node_base + (index - 1) % per_node}
+    partner = node ^ 1  # "duplex": both ways with the same-index rank of the partner node
+    if partner < nodes:
+        hops["duplex"] = froms["duplex"] = partner * per_node + index
 
     def stream(kind: str, messages: int):
-        post = _exchange(hops[kind], froms[kind], message)
+        post = _exchange(hops[kind], froms[kind], message) if kind in hops else list  # list(): nothing
 
         def run():
             pending = []
@@ -115,6 +133,8 @@ def measure_cluster(per_node: int, nominal_mbit: float, q, k, v, dout, causal: b
     if nodes > 1:
         t_x = _timed_max(lambda: [w.wait() for w in stream("inter", inter_messages)()], 5)
         out["inter_node_gbs"] = per_node * inter_messages * message / t_x / 1e9
+        t_d = _timed_max(lambda: [w.wait() for w in stream("duplex", inter_messages)()], 5)
+        out["inter_node_duplex_gbs"] = per_node * inter_messages * message / t_d / 1e9
     if per_node > 1:
         intra_messages = 8
         t_l = _timed_max(lambda: [w.wait() for w in stream("intra", intra_messages)()], 5)

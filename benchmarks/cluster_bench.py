@@ -40,6 +40,7 @@ def cluster_spec(args, rate_mbit: float, calibration: dict) -> ClusterSpec:
         nodes=args.nodes, gpus_per_node=args.ranks_per_node,
         intra_node_gbs=calibration.get("intra_node_gbs", 1.0),
         inter_node_gbs=calibration.get("inter_node_gbs", rate_mbit / 8 / 1000), nics_per_node=1,
+        inter_node_duplex_gbs=calibration.get("inter_node_duplex_gbs"),
         intra_latency_s=latency, inter_latency_s=latency, collective_latency_s=calibration.get("collective_latency_s"),
         attention_tflops=calibration["attention_tflops"],
         overlap=calibration.get("overlap", 1.0), inter_node_mesh=args.topology == "full_mesh",

@@ -58,7 +58,8 @@ def report(rows: list[dict]) -> str:
                      f"{'yes' if abs(err) <= TOLERANCE else 'no'} |")
     lines += ["", "| run | cluster | seq | link Mbit/s | measured ranking (fastest first) | predicted ranking "
                   "| match (medians) | clear pairs (same order every round) | clear pairs predicted in the wrong order "
-                  "| measured: eff. inter-node MB/s, intra MB/s, GFLOP/s per rank, overlap, step latency ms |",
+                  "| measured: eff. inter-node MB/s (one way / both ways on one pair), intra MB/s, GFLOP/s per rank, "
+                  "overlap, step latency ms |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     clear_total = wrong_total = 0
     for key in dict.fromkeys(cluster_key(r) for r in rows):
@@ -68,7 +69,7 @@ def report(rows: list[dict]) -> str:
         clear_total, wrong_total = clear_total + len(check.clear), wrong_total + len(check.wrong)
         lines.append(
             f"| {key[4][:-5]} | {key[0]}x{key[1]} | {key[2]} | {key[3]:g} | {check.cells()} | "
-            f"{1e3 * cal.get('inter_node_gbs', 0):.1f}, "
+            f"{1e3 * cal.get('inter_node_gbs', 0):.1f} / {1e3 * cal.get('inter_node_duplex_gbs', float('nan')):.1f}, "
             f"{1e3 * cal.get('intra_node_gbs', 0):.0f}, {1e3 * cal['attention_tflops']:.1f}, "
             f"{cal.get('overlap', 1.0):.2f}, {1e3 * cal['step_latency_s']:.1f} |")
     errors = [abs(r["predicted_ms"] / r["time_ms_median"] - 1) for r in rows]

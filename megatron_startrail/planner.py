@@ -9,7 +9,8 @@ gives (:mod:`megatron_startrail.topology`), and prices every step on the cluster
                    blocking collective or wait costs its transfer time + latency
     link time    = bytes over a rank's intra-node link / intra bandwidth, or
                    a node's bytes to other nodes / the node's inter-node bandwidth
-                   (and one rank's / its own NIC's share)
+                   (and one rank's / its own NIC's share); on gloo, a round in which
+                   a rank pair sends both ways moves at the (lower) duplex rate
     attention    = team all-gather + initial send + sub-ring steps (overlapped with
                    compute) + team merge, forward and backward, + Ulysses all-to-alls,
                    less what the pipelined initial send hides behind step 0 (its C
@@ -57,6 +58,10 @@ class ClusterSpec:
     nics_per_node: int = 8
     intra_latency_s: float = 5e-6
     inter_latency_s: float = 20e-6
+    # Rate (GB/s per node) of a round in which some pair of ranks on two nodes sends both
+    # ways: gloo carries both directions on one TCP connection, which moves less than two
+    # one-way connections (benchmarks/calibration.py). None: inter_node_gbs (NCCL, RDMA).
+    inter_node_duplex_gbs: float | None = None
     # A collective call's latency when it exceeds a P2P step's (None: the same).
     collective_latency_s: float | None = None
     attention_tflops: float = 150.0  # effective, per GPU
@@ -117,6 +122,7 @@ def _exchange_time(cluster: ClusterSpec, sends: list[tuple[int, int, float]]) ->
     inter_link: dict = {}
     inter_node: dict[int, float] = {}
     inter_rank: dict[int, float] = {}
+    inter_pairs: set[tuple[int, int]] = set()  # (src, dst) rank pairs crossing nodes
     for src, dst, nbytes in sends:
         if src == dst or nbytes == 0:
             continue
@@ -128,12 +134,15 @@ def _exchange_time(cluster: ClusterSpec, sends: list[tuple[int, int, float]]) ->
             inter_link[(a, b)] = inter_link.get((a, b), 0.0) + nbytes
             inter_node[a] = inter_node.get(a, 0.0) + nbytes
             inter_rank[src] = inter_rank.get(src, 0.0) + nbytes
+            inter_pairs.add((src, dst))
     t = 0.0
     if intra:
         links = max(1, cluster.gpus_per_node - 1) if cluster.intra_node_mesh else 1
         t = max(t, max(intra.values()) * links / (cluster.intra_node_gbs * 1e9) + cluster.intra_latency_s)
     if inter_link:
-        rate = cluster.inter_node_gbs * 1e9
+        duplex = cluster.inter_node_duplex_gbs is not None and any(
+            (dst, src) in inter_pairs for src, dst in inter_pairs)
+        rate = (cluster.inter_node_duplex_gbs if duplex else cluster.inter_node_gbs) * 1e9
         if cluster.inter_node_mesh:
             t = max(t, max(inter_link.values()) / rate + cluster.inter_latency_s)
         else:

@@ -66,6 +66,24 @@ def test_overlap_prices_hidden_and_serialised_steps():
         assert predict(half, WORK, 8, c).time_s >= predict(full, WORK, 8, c).time_s
 
 
+def test_rounds_where_a_rank_pair_sends_both_ways_use_the_duplex_rate():
+    from megatron_startrail.planner import _exchange_time  # noqa: PLC0415
+
+    cluster = slow_link_cluster(2, 4, inter_node_duplex_gbs=25 / 8 / 1000, inter_latency_s=0.0)
+    nbytes = 1e6
+    one_way = [(0, 4, nbytes), (5, 1, nbytes)]  # the two directions on different rank pairs
+    both_ways = [(0, 4, nbytes), (4, 0, nbytes)]  # one rank pair, both directions
+    assert _exchange_time(cluster, one_way)[0] == pytest.approx(nbytes / (50e6 / 8))
+    assert _exchange_time(cluster, both_ways)[0] == pytest.approx(nbytes / (25e6 / 8))
+    # Without a duplex figure (NCCL, RDMA): one rate for both.
+    plain = slow_link_cluster(2, 4, inter_latency_s=0.0)
+    assert _exchange_time(plain, both_ways)[0] == pytest.approx(_exchange_time(plain, one_way)[0])
+    # Ulysses 4 x ring on 2 nodes is a ring of two: every hop goes both ways on one pair;
+    # ring attention's hops never do.
+    assert predict(cluster, WORK, 8, 1, 4).time_s > predict(plain, WORK, 8, 1, 4).time_s
+    assert predict(cluster, WORK, 8, 1).time_s == pytest.approx(predict(plain, WORK, 8, 1).time_s)
+
+
 def test_memory_limit_leaves_out_configurations_or_makes_them_regather():
     from megatron_startrail.accounting import AttentionShape, kept_for_backward_bytes  # noqa: PLC0415
 
