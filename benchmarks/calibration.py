@@ -21,9 +21,10 @@ is calibrated per cluster, then compared with the attention rows it never saw.
   delivers, below the nominal rate.
 * ``inter_node_duplex_gbs``: the same with every rank exchanging both ways with the
   same-index rank of its partner node (nodes paired 0-1, 2-3, ...). gloo carries both
-  directions of a rank pair on one TCP connection, and that moves less: probed on 2x4
-  with one message per rank per round at 25 / 50 Mbit/s, one flow each way got 1.9 / 3.6
-  MB/s on one connection against 2.3 / 4.9 on two, four flows 2.6 / 5.4 against 2.9 / 5.8.
+  directions of a rank pair on one TCP connection, and that moves less
+  (benchmarks/link_probe.py, results/link_probe.md: on 2x4 at 25 / 50 Mbit/s, one
+  message per rank per round, one flow each way got 1.8 / 3.6 MB/s on one connection
+  against 2.5 / 5.4 on two, four flows 2.4 / 5.1 against 3.0 / 5.5).
   Ulysses x ring over 2 nodes (a ring of two) sends that way; ring attention's and
   StarTrail-2's transfers on 2 nodes do not. (Before, the one figure was measured both
   ways on 2 nodes, one way on more.)

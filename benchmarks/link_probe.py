@@ -1,0 +1,122 @@
+"""How fast the emulated inter-node link moves one message per rank per round, one way per
+rank pair or both ways on one pair, with 1 or all ranks of a node sending (one command).
+
+    python benchmarks/link_probe.py --nodes 2 --ranks-per-node 4 --rate-mbit 25 50 \
+        --out benchmarks/results/link_probe
+
+Why: gloo carries both directions of a rank pair on one TCP connection. Ulysses x ring
+over two nodes (a ring of two) sends that way; ring attention and StarTrail-2 on two
+nodes send one way per pair. This probe measured the difference that made the
+calibration (benchmarks/calibration.py) keep two inter-node rates.
+
+Patterns, rank (n, i) = rank i of node n, for the first ``flows`` ranks of every node:
+
+    one way    (n, i) sends to (n + 1, i + n): the two directions between two nodes use
+               different rank pairs
+    both ways  (n, i) exchanges with (n xor 1, i): one rank pair, both directions
+
+Each round posts one message (256 KiB by default: one rank's K, V in the 2x4, 2048-token
+benchmark) per sending rank and waits for it; rounds run back to back for ~0.6 s at the
+nominal rate; the figure is bytes per node / time of the slowest rank, median of 5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def worker() -> None:
+    import torch  # noqa: PLC0415 - only the ranks need torch
+    import torch.distributed as dist  # noqa: PLC0415
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per_node, message, rate = int(os.environ["RANKS_PER_NODE"]), int(os.environ["MESSAGE"]), float(os.environ["RATE"])
+    nodes = world // per_node
+    node, index = divmod(rank, per_node)
+    buf, got = torch.rand(message // 4), torch.empty(message // 4)
+    prev = (node - 1) % nodes
+    peers = {  # pattern -> (send to, receive from, index of the rank that sends to me)
+        "one way": (((node + 1) % nodes) * per_node + (index + node) % per_node,
+                    prev * per_node + (index - prev) % per_node, (index - prev) % per_node),
+        "both ways": ((node ^ 1) * per_node + index, (node ^ 1) * per_node + index, index),
+    }
+
+    def one_round(pattern: str, flows: int) -> None:
+        to, frm, sender_index = peers[pattern]
+        ops = [dist.P2POp(dist.isend, buf, to)] if index < flows else []
+        ops += [dist.P2POp(dist.irecv, got, frm)] if sender_index < flows else []
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
+
+    out = []
+    for pattern in peers:
+        for flows in sorted({1, per_node}):
+            rounds = max(1, round(rate * 1e6 / 8 * 0.6 / (flows * message)))
+            times = []
+            for _ in range(5):
+                dist.barrier()
+                start = time.perf_counter()
+                for _ in range(rounds):
+                    one_round(pattern, flows)
+                elapsed = torch.tensor([time.perf_counter() - start])
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                times.append(elapsed.item())
+            out.append({"pattern": pattern, "flows": flows, "rounds": rounds,
+                        "mb_per_s": flows * message * rounds / statistics.median(times) / 1e6})
+    if rank == 0:
+        json.dump(out, open(os.environ["OUTPUT"], "w"))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    sys.path.insert(0, os.path.dirname(HERE))
+    from benchmarks.netns_cluster import EmulatedCluster  # noqa: PLC0415
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--ranks-per-node", type=int, default=4)
+    p.add_argument("--rate-mbit", type=float, nargs="+", default=[25.0, 50.0])
+    p.add_argument("--message-bytes", type=int, default=256 * 1024)
+    p.add_argument("--port", type=int, default=29571)
+    p.add_argument("--out", required=True, help="writes OUT.json and OUT.md")
+    args = p.parse_args()
+    if args.nodes < 2 or args.nodes % 2:
+        p.error("--nodes must be even: 'both ways' pairs node 0 with 1, 2 with 3, ...")
+    world = args.nodes * args.ranks_per_node
+    rows = []
+    for rate in args.rate_mbit:
+        output = f"{args.out}.{rate:g}.tmp.json"
+        with EmulatedCluster(args.nodes, rate) as cluster:
+            procs = [cluster.spawn(r // args.ranks_per_node, [sys.executable, os.path.abspath(__file__), "--worker"], {
+                "RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": cluster.address(0),
+                "MASTER_PORT": str(args.port), "RANKS_PER_NODE": str(args.ranks_per_node), "OMP_NUM_THREADS": "1",
+                "MESSAGE": str(args.message_bytes), "RATE": str(rate), "OUTPUT": output})
+                for r in range(world)]
+            codes = [proc.wait(timeout=600) for proc in procs]
+        if any(codes):
+            raise RuntimeError(f"probe ranks failed with exit codes {codes}")
+        rows += [{"rate_mbit": rate, **row} for row in json.load(open(output))]
+        os.remove(output)
+    lines = [f"{args.nodes} nodes x {args.ranks_per_node} ranks, {args.message_bytes // 1024} KiB per message",
+             "", "| link Mbit/s | nominal MB/s | flows per node | one way per pair MB/s | both ways on one pair MB/s |",
+             "|---|---|---|---|---|"]
+    for rate in args.rate_mbit:
+        for flows in sorted({r["flows"] for r in rows}):
+            got = {r["pattern"]: r["mb_per_s"] for r in rows if r["rate_mbit"] == rate and r["flows"] == flows}
+            lines.append(f"| {rate:g} | {rate / 8:.2f} | {flows} | {got['one way']:.2f} | {got['both ways']:.2f} |")
+    json.dump({"argv": sys.argv, "rows": rows}, open(args.out + ".json", "w"), indent=1)
+    open(args.out + ".md", "w").write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    worker() if sys.argv[1:] == ["--worker"] else main()
