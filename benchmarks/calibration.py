@@ -71,6 +71,23 @@ def _chain(call):
     return run
 
 
+def inter_node_peers(rank: int, per_node: int, nodes: int) -> dict[str, tuple[int, int]]:
+    """Traffic patterns between nodes: pattern -> (rank this one sends to, rank it receives
+    from), with rank (n, i) = rank i of node n.
+
+    ``"inter"``: (n, i) sends to (n + 1, i + n), so receives from (n - 1, i - (n - 1)); even
+    with 2 nodes the two directions use different rank pairs (one TCP connection each).
+    ``"duplex"``: (n, i) exchanges both ways with (n xor 1, i), one pair; absent on the
+    last node of an odd count, which has no partner."""
+    node, index = divmod(rank, per_node)
+    prev = (node - 1) % nodes
+    peers = {"inter": (((node + 1) % nodes) * per_node + (index + node) % per_node,
+                       prev * per_node + (index - prev) % per_node)}
+    if node ^ 1 < nodes:
+        peers["duplex"] = ((node ^ 1) * per_node + index,) * 2
+    return peers
+
+
 def _exchange(send_to: int, recv_from: int, nbytes: int):
     buf, got = torch.empty(nbytes // 4), torch.empty(nbytes // 4)
     buf.uniform_()
@@ -104,21 +121,13 @@ def measure_cluster(per_node: int, nominal_mbit: float, q, k, v, dout, causal: b
             _chain(lambda: dist.all_to_all_single(small_out, small_in, group=mine)), 7) / CHAIN
 
     message = 2 * k.numel() * k.element_size()
-    node, index = divmod(rank, per_node)
-    node_base = node * per_node
-    # "inter": rank (n, i) sends to (n + 1, i + n) and so receives from (n - 1, i - (n - 1)):
-    # even with 2 nodes the two directions use different rank pairs (one per connection).
-    prev = (node - 1) % nodes
-    hops = {"inter": ((node + 1) % nodes) * per_node + (index + node) % per_node,
-            "intra": node_base + (index + 1) % per_node}
-    froms = {"inter": prev * per_node + (index - prev) % per_node,
-             "intra": node_base + (index - 1) % per_node}
-    partner = node ^ 1  # "duplex": both ways with the same-index rank of the partner node
-    if partner < nodes:
-        hops["duplex"] = froms["duplex"] = partner * per_node + index
+    node_base = rank - rank % per_node
+    peers = {**inter_node_peers(rank, per_node, nodes),
+             "intra": (node_base + (rank + 1) % per_node, node_base + (rank - 1) % per_node)}
 
     def stream(kind: str, messages: int):
-        post = _exchange(hops[kind], froms[kind], message) if kind in hops else list  # list(): nothing
+        # A rank without a peer for ``kind`` (no duplex partner) posts nothing.
+        post = _exchange(*peers[kind], message) if kind in peers else (lambda: [])
 
         def run():
             pending = []

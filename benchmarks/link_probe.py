@@ -9,7 +9,8 @@ over two nodes (a ring of two) sends that way; ring attention and StarTrail-2 on
 nodes send one way per pair. This probe measured the difference that made the
 calibration (benchmarks/calibration.py) keep two inter-node rates.
 
-Patterns, rank (n, i) = rank i of node n, for the first ``flows`` ranks of every node:
+Patterns (the calibration's, ``calibration.inter_node_peers``), for the first ``flows``
+ranks of every node; rank (n, i) = rank i of node n:
 
     one way    (n, i) sends to (n + 1, i + n): the two directions between two nodes use
                different rank pairs
@@ -31,29 +32,27 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
 
 
 def worker() -> None:
     import torch  # noqa: PLC0415 - only the ranks need torch
     import torch.distributed as dist  # noqa: PLC0415
 
+    from benchmarks.calibration import inter_node_peers  # noqa: PLC0415
+
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
     per_node, message, rate = int(os.environ["RANKS_PER_NODE"]), int(os.environ["MESSAGE"]), float(os.environ["RATE"])
-    nodes = world // per_node
-    node, index = divmod(rank, per_node)
+    index = rank % per_node
     buf, got = torch.rand(message // 4), torch.empty(message // 4)
-    prev = (node - 1) % nodes
-    peers = {  # pattern -> (send to, receive from, index of the rank that sends to me)
-        "one way": (((node + 1) % nodes) * per_node + (index + node) % per_node,
-                    prev * per_node + (index - prev) % per_node, (index - prev) % per_node),
-        "both ways": ((node ^ 1) * per_node + index, (node ^ 1) * per_node + index, index),
-    }
+    calibration_peers = inter_node_peers(rank, per_node, world // per_node)  # --nodes is even: all have duplex
+    peers = {"one way": calibration_peers["inter"], "both ways": calibration_peers["duplex"]}
 
     def one_round(pattern: str, flows: int) -> None:
-        to, frm, sender_index = peers[pattern]
+        to, frm = peers[pattern]
         ops = [dist.P2POp(dist.isend, buf, to)] if index < flows else []
-        ops += [dist.P2POp(dist.irecv, got, frm)] if sender_index < flows else []
+        ops += [dist.P2POp(dist.irecv, got, frm)] if frm % per_node < flows else []  # my sender sends
         for work in dist.batch_isend_irecv(ops) if ops else []:
             work.wait()
 
