@@ -17,17 +17,18 @@ is calibrated per cluster, then compared with the attention rows it never saw.
   chain), which the attention does not pay per call.
 * ``inter_node_gbs``: every rank sends to a rank of the next node and receives from one of
   the previous node (all of a node's ranks share its shaped uplink), each connection
-  carrying one direction only: bytes per node / time. What TCP over ``tc tbf`` really
-  delivers, below the nominal rate.
+  carrying one direction only: bytes per node / time. What TCP over the shaped link
+  really delivers (close to nominal since the link is shaped as a full-duplex NIC,
+  benchmarks/netns_cluster.py).
 * ``inter_node_duplex_gbs``: the same with every rank exchanging both ways with the
   same-index rank of its partner node (nodes paired 0-1, 2-3, ...). gloo carries both
-  directions of a rank pair on one TCP connection, and that moves less
+  directions of a rank pair on one TCP connection, and that moves a little less
   (benchmarks/link_probe.py, results/link_probe.md: on 2x4 at 25 / 50 Mbit/s, one
-  message per rank per round, one flow each way got 1.8 / 3.6 MB/s on one connection
-  against 2.5 / 5.4 on two, four flows 2.4 / 5.1 against 3.0 / 5.5).
-  Ulysses x ring over 2 nodes (a ring of two) sends that way; ring attention's and
-  StarTrail-2's transfers on 2 nodes do not. (Before, the one figure was measured both
-  ways on 2 nodes, one way on more.)
+  message per rank per round, one flow each way got 2.8 / 5.9 MB/s on one connection
+  against 3.1 / 6.2 on two, four flows 3.0 / 6.0 against 3.1 / 6.3; under the earlier
+  single-tbf shaping, whose queue held the reverse direction's ACKs behind data, the
+  gap was 1.8 / 3.6 against 2.5 / 5.4). Ulysses x ring over 2 nodes (a ring of two)
+  sends that way; ring attention's and StarTrail-2's transfers on 2 nodes do not.
 * ``intra_node_gbs``: every rank exchanges with its neighbour inside the node over
   loopback: bytes per rank / time (loopback costs CPU, which the ranks share).
 * ``attention_tflops``: every rank runs the block kernel's forward+backward on its own

@@ -7,7 +7,10 @@ rank pair or both ways on one pair, with 1 or all ranks of a node sending (one c
 Why: gloo carries both directions of a rank pair on one TCP connection. Ulysses x ring
 over two nodes (a ring of two) sends that way; ring attention and StarTrail-2 on two
 nodes send one way per pair. This probe measured the difference that made the
-calibration (benchmarks/calibration.py) keep two inter-node rates.
+calibration (benchmarks/calibration.py) keep two inter-node rates, and then showed that
+most of it came from the link's shaping: with one tbf queue per node the reverse
+direction's ACKs waited behind data (1.8 MB/s both ways against 2.5 one way at 25
+Mbit/s); with ACKs served first (benchmarks/netns_cluster.py) 2.8 against 3.1.
 
 Patterns (the calibration's, ``calibration.inter_node_peers``), for the first ``flows``
 ranks of every node; rank (n, i) = rank i of node n:
