@@ -22,6 +22,7 @@ from megatron_startrail.planner import (
     _collective_time,
     _exchange_time,
     overlapped_steps,
+    ring_streams,
 )
 
 
@@ -35,18 +36,27 @@ def predict_torch_ring(cluster: ClusterSpec, work: Workload, cp_size: int, rotat
     rate = cluster.attention_tflops * 1e12
     step_fwd, step_bwd = flops / rate / p, BACKWARD_FLOPS_RATIO * flops / rate / p
 
-    def hop(nbytes: float) -> float:
-        return _exchange_time(cluster, [(r, (r + 1) % p, nbytes) for r in range(p)])[0]
+    # Ring attention over nodes of several ranks streams (planner.ring_streams): the
+    # inter-node latency is paid once per phase, not per hop.
+    streaming = ring_streams(cluster, [list(range(p))])
+    phase_latency = cluster.inter_latency_s if streaming else 0.0
+
+    def hop(nbytes: float, inter_latency: bool = not streaming) -> float:
+        return _exchange_time(cluster, [(r, (r + 1) % p, nbytes) for r in range(p)], inter_latency)[0]
 
     kv_hop, dkv_hop = hop(kv_bytes), hop(dkv_bytes)
     if rotate_method == "allgather":
         gather = _collective_time(cluster, [list(range(p))], (p - 1) * kv_bytes)[0]
         fwd_flying = [gather] + [0.0] * (p - 1)
         bwd_flying = [gather] + [dkv_hop] * (p - 1)
+        ring_phases = 1  # the backward's dK, dV
     elif rotate_method == "alltoall":
         fwd_flying = [kv_hop] * (p - 1) + [0.0]
         bwd_flying = [kv_hop] + [kv_hop + dkv_hop] * (p - 2) + [dkv_hop]
+        ring_phases = 2
     else:
         raise ValueError(f"rotate_method={rotate_method!r}: 'allgather' or 'alltoall'")
+    # The last dK, dV hop is waited on after the loop, alone: exposed, with its latency.
     return (overlapped_steps(cluster.overlap, [step_fwd] * p, fwd_flying)
-            + overlapped_steps(cluster.overlap, [step_bwd] * p, bwd_flying) + dkv_hop)
+            + overlapped_steps(cluster.overlap, [step_bwd] * p, bwd_flying)
+            + ring_phases * phase_latency + hop(dkv_bytes, inter_latency=True))

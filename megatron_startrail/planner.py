@@ -115,9 +115,11 @@ class Prediction:
         return core if self.ulysses_size == 1 else f"ulysses-{self.ulysses_size}x{core}"
 
 
-def _exchange_time(cluster: ClusterSpec, sends: list[tuple[int, int, float]]) -> tuple[float, float]:
+def _exchange_time(cluster: ClusterSpec, sends: list[tuple[int, int, float]],
+                   inter_latency: bool = True) -> tuple[float, float]:
     """Time of one round of concurrent sends ``(src cp rank, dst cp rank, bytes)``, and the
-    largest number of bytes one node sent to other nodes in it."""
+    largest number of bytes one node sent to other nodes in it. ``inter_latency=False``:
+    the inter-node sends cost their bytes' time only (a streaming ring's, :func:`ring_streams`)."""
     intra: dict = {}
     inter_link: dict = {}
     inter_node: dict[int, float] = {}
@@ -143,12 +145,31 @@ def _exchange_time(cluster: ClusterSpec, sends: list[tuple[int, int, float]]) ->
         duplex = cluster.inter_node_duplex_gbs is not None and any(
             (dst, src) in inter_pairs for src, dst in inter_pairs)
         rate = (cluster.inter_node_duplex_gbs if duplex else cluster.inter_node_gbs) * 1e9
+        latency = cluster.inter_latency_s if inter_latency else 0.0
         if cluster.inter_node_mesh:
-            t = max(t, max(inter_link.values()) / rate + cluster.inter_latency_s)
+            t = max(t, max(inter_link.values()) / rate + latency)
         else:
-            t = max(t, max(inter_node.values()) / rate + cluster.inter_latency_s,
-                    max(inter_rank.values()) / (rate / cluster.nics_per_node) + cluster.inter_latency_s)
+            t = max(t, max(inter_node.values()) / rate + latency,
+                    max(inter_rank.values()) / (rate / cluster.nics_per_node) + latency)
     return t, max(inter_node.values(), default=0.0)
+
+
+def ring_streams(cluster: ClusterSpec, rings: list[list[int]]) -> bool:
+    """Whether rings' steps stream over the inter-node links: some hop crosses nodes, and
+    in every ring (CP ranks in ring order, each sends to the next) every rank that sends
+    to another node forwards what it received from a rank of its own node.
+
+    Such a rank sends step i+1's message once its node-local predecessor's has landed,
+    not the message that crossed in step i, so (sends buffered by the transport) the
+    link carries message after message without a gap: the crossing hop's latency is
+    paid beside the transfer, once per phase, while the node-local hops still pay theirs
+    every step. Ring attention over nodes of several ranks streams (one hop per node
+    boundary, the others local); a ring whose every hop crosses (a pair exchange between
+    two nodes) forwards what just crossed: lock-step, a latency after every message."""
+    node = cluster.node_of
+    crossing = [(ring, i) for ring in rings for i in range(len(ring))
+                if node(ring[i]) != node(ring[(i + 1) % len(ring)])]
+    return bool(crossing) and all(node(ring[i - 1]) == node(ring[i]) for ring, i in crossing)
 
 
 def overlapped_steps(overlap: float, compute: list[float], transfer: list[float]) -> float:
@@ -246,11 +267,16 @@ def predict(cluster: ClusterSpec, work: Workload, cp_size: int, team_size: int, 
     rotation = choose_backward_rotation(shape, u, c)
     payload_bwd, accumulator_bwd = backward_p2p_parts(shape, u, c)[rotation]
 
-    def ring_round(nbytes: float) -> tuple[float, float]:
+    rings = {tuple(cp_rank(p, x) for p in lane.order) for p in positions for x in range(u) for lane in lanes[p]}
+    streaming = g > 1 and ring_streams(cluster, [list(r) for r in rings])
+    # A streaming ring pays the inter-node latency once per phase, beside its transfers.
+    phase_latency = cluster.inter_latency_s if streaming else 0.0
+
+    def ring_round(nbytes: float, inter_latency: bool = not streaming) -> tuple[float, float]:
         return _exchange_time(cluster, [
             (cp_rank(p, x), cp_rank(lane.next(p), x), nbytes / len(lanes[p]))
             for p in positions for x in range(u) for lane in lanes[p]
-        ])
+        ], inter_latency)
 
     # What flies while step i computes (schedule.rotate). Forward: the next K, V, steps
     # 0..G-2. Backward: the next payload (steps 0..G-2) and the accumulator posted after
@@ -260,10 +286,10 @@ def predict(cluster: ClusterSpec, work: Workload, cp_size: int, team_size: int, 
     fwd_flying = [kv_round] * (g - 1) + [(0.0, 0.0)]
     bwd_flying = [ring_round(payload_bwd * (i < g - 1) + accumulator_bwd * (i > 0)) for i in range(g)]
     for flying, compute in ((fwd_flying, compute_fwd), (bwd_flying, compute_bwd)):
-        total += overlapped_steps(cluster.overlap, [compute / g] * g, [t for t, _ in flying])
+        total += overlapped_steps(cluster.overlap, [compute / g] * g, [t for t, _ in flying]) + phase_latency
         inter_bytes += sum(b for _, b in flying)
     if g > 1:
-        add(ring_round(accumulator_bwd))
+        add(ring_round(accumulator_bwd, inter_latency=True))  # waited on alone
     # Backward: all-gather dO|out and lse (together); dK, dV travel back along the
     # reverse initial send while dQ is reduce-scattered in the team; then dK, dV are.
     reverse = initial_send(c * ekv * a)

@@ -66,6 +66,28 @@ def test_overlap_prices_hidden_and_serialised_steps():
         assert predict(half, WORK, 8, c).time_s >= predict(full, WORK, 8, c).time_s
 
 
+def test_rings_that_forward_node_local_messages_stream():
+    from megatron_startrail.planner import ring_streams  # noqa: PLC0415
+
+    cluster = slow_link_cluster(2, 4)
+    assert ring_streams(cluster, [list(range(8))])  # ring attention: 3 -> 4 and 7 -> 0 forward 2's, 6's
+    assert not ring_streams(cluster, [[0, 1, 2, 3]])  # no hop crosses: each forwards what just came
+    assert not ring_streams(cluster, [[0, 4]])  # a pair exchange: each forwards what just crossed
+    assert not ring_streams(cluster, [[0, 4, 1, 5]])  # every hop crosses
+    assert not ring_streams(cluster, [list(range(8)), [0, 4]])  # every ring has to
+
+
+def test_a_streaming_ring_pays_the_inter_node_latency_once_per_phase():
+    # Link-bound ring attention on 2 x 4 (a step's transfer far above the latency):
+    # raising the inter-node latency from 0 to 5 ms adds three latencies (the two
+    # phases' first messages and the last dK, dV, waited on alone), not one per step;
+    # Ulysses 4 x ring (a ring of two: lock-step) pays one per step and per transfer.
+    fast, slow = slow_link_cluster(2, 4, inter_latency_s=0.0), slow_link_cluster(2, 4, inter_latency_s=5e-3)
+    assert predict(slow, WORK, 8, 1).time_s - predict(fast, WORK, 8, 1).time_s == pytest.approx(3 * 5e-3)
+    steps_u4 = 1 + 2 + 1  # forward, backward steps, the last dK, dV
+    assert predict(slow, WORK, 8, 1, 4).time_s - predict(fast, WORK, 8, 1, 4).time_s >= steps_u4 * 5e-3
+
+
 def test_rounds_where_a_rank_pair_sends_both_ways_use_the_duplex_rate():
     from megatron_startrail.planner import _exchange_time  # noqa: PLC0415
 
