@@ -21,7 +21,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.cluster_bench import parser, predictions  # noqa: E402
-from benchmarks.ranking import check_ranking  # noqa: E402
+from benchmarks.ranking import MATERIAL_GAP, check_ranking  # noqa: E402
 
 TOLERANCE = 0.20
 
@@ -61,12 +61,16 @@ def report(rows: list[dict]) -> str:
                   "| measured: eff. inter-node MB/s (one way / both ways on one pair), intra MB/s, GFLOP/s per rank, "
                   "overlap, step latency ms |",
               "|---|---|---|---|---|---|---|---|---|---|"]
-    clear_total = wrong_total = 0
+    clear_total = wrong_total = material_total = material_wrong = 0
+    wrong_gaps = []
     for key in dict.fromkeys(cluster_key(r) for r in rows):
         group = [r for r in rows if cluster_key(r) == key]
         cal = group[0]["calibration"]
         check = check_ranking(group, group[0]["interleaved"])
         clear_total, wrong_total = clear_total + len(check.clear), wrong_total + len(check.wrong)
+        material_total += len(check.material(check.clear))
+        material_wrong += len(check.material(check.wrong))
+        wrong_gaps += [check.gap[p] for p in check.wrong]
         lines.append(
             f"| {key[4][:-5]} | {key[0]}x{key[1]} | {key[2]} | {key[3]:g} | {check.cells()} | "
             f"{1e3 * cal.get('inter_node_gbs', 0):.1f} / {1e3 * cal.get('inter_node_duplex_gbs', float('nan')):.1f}, "
@@ -76,7 +80,10 @@ def report(rows: list[dict]) -> str:
     within = sum(e <= TOLERANCE for e in errors)
     lines += ["", f"{within} of {len(rows)} predictions within 20 % of the measured time; "
                   f"largest error {100 * max(errors):.0f} %. Rankings: {wrong_total} of {clear_total} pairs with a "
-                  "clear measured order (faster in every round) predicted in the wrong order."]
+                  "clear measured order (faster in every round) predicted in the wrong order"
+                  + (f", measured at most {100 * max(wrong_gaps):.1f} % apart" if wrong_gaps else "")
+                  + f"; of the {material_total} clear pairs at least {100 * MATERIAL_GAP:.0f} % apart, "
+                  f"{material_wrong} predicted in the wrong order."]
     return "\n".join(lines)
 
 

@@ -27,3 +27,16 @@ def test_sequential_runs_need_disjoint_time_ranges():
     assert clear_pairs([a, b], interleaved=False) == []
     assert sorted(clear_pairs([a, b, d], interleaved=False)) == [("a", "d"), ("b", "d")]
     assert ranking_errors([a, d], {"a": 5.0, "d": 5.0}, interleaved=False) == [("a", "d")]  # a tie is not an order
+
+
+def test_wrong_pairs_carry_their_measured_gap():
+    from benchmarks.ranking import MATERIAL_GAP, check_ranking  # noqa: PLC0415
+
+    rows = [dict(row("a", [100, 101, 100]), time_ms_median=100, predicted_ms=2.0),
+            dict(row("b", [102, 103, 102]), time_ms_median=102, predicted_ms=1.0),  # 2% slower, predicted faster
+            dict(row("c", [130, 131, 129]), time_ms_median=130, predicted_ms=3.0)]
+    check = check_ranking(rows, interleaved=True)
+    assert check.wrong == [("a", "b")]
+    assert check.gap[("a", "b")] < MATERIAL_GAP <= check.gap[("a", "c")]
+    assert check.material(check.wrong) == [] and check.material(check.clear) == [("a", "c"), ("b", "c")]
+    assert "a < b (2.0%)" in check.cells()
