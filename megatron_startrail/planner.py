@@ -5,8 +5,10 @@ The model walks the schedule the implementation runs, with the bytes it really s
 gives (:mod:`megatron_startrail.topology`), and prices every step on the cluster::
 
     step time    = max(compute, transfer) + (1 - overlap) * min(compute, transfer) + latency
-                   for a sub-ring step whose transfer flies while it computes; a
-                   blocking collective or wait costs its transfer time + latency
+                   for a sub-ring step whose transfer flies while it computes (a ring
+                   that streams over the inter-node links, :func:`ring_streams`, pays
+                   the crossing latency once per phase instead); a blocking
+                   collective or wait costs its transfer time + latency
     link time    = bytes over a rank's intra-node link / intra bandwidth, or
                    a node's bytes to other nodes / the node's inter-node bandwidth
                    (and one rank's / its own NIC's share); on gloo, a round in which
