@@ -165,7 +165,8 @@ def ring_streams(cluster: ClusterSpec, rings: list[list[int]]) -> bool:
     not the message that crossed in step i, so (sends buffered by the transport) the
     link carries message after message without a gap: the crossing hop's latency is
     paid beside the transfer, once per phase, while the node-local hops still pay theirs
-    every step. Ring attention over nodes of several ranks streams (one hop per node
+    every step. (Once per phase holds while a crossing transfer outlasts the latency; in
+    latency-bound rounds the chain through the node boundaries pays more.) Ring attention over nodes of several ranks streams (one hop per node
     boundary, the others local); a ring whose every hop crosses (a pair exchange between
     two nodes) forwards what just crossed: lock-step, a latency after every message."""
     node = cluster.node_of
@@ -271,7 +272,8 @@ def predict(cluster: ClusterSpec, work: Workload, cp_size: int, team_size: int, 
 
     rings = {tuple(cp_rank(p, x) for p in lane.order) for p in positions for x in range(u) for lane in lanes[p]}
     streaming = g > 1 and ring_streams(cluster, [list(r) for r in rings])
-    # A streaming ring pays the inter-node latency once per phase, beside its transfers.
+    # A streaming ring pays the inter-node latency once per phase: with its first transfer,
+    # where compute can still hide it.
     phase_latency = cluster.inter_latency_s if streaming else 0.0
 
     def ring_round(nbytes: float, inter_latency: bool = not streaming) -> tuple[float, float]:
@@ -288,7 +290,8 @@ def predict(cluster: ClusterSpec, work: Workload, cp_size: int, team_size: int, 
     fwd_flying = [kv_round] * (g - 1) + [(0.0, 0.0)]
     bwd_flying = [ring_round(payload_bwd * (i < g - 1) + accumulator_bwd * (i > 0)) for i in range(g)]
     for flying, compute in ((fwd_flying, compute_fwd), (bwd_flying, compute_bwd)):
-        total += overlapped_steps(cluster.overlap, [compute / g] * g, [t for t, _ in flying]) + phase_latency
+        transfers = [t + (phase_latency if i == 0 else 0.0) for i, (t, _) in enumerate(flying)]
+        total += overlapped_steps(cluster.overlap, [compute / g] * g, transfers)
         inter_bytes += sum(b for _, b in flying)
     if g > 1:
         add(ring_round(accumulator_bwd, inter_latency=True))  # waited on alone

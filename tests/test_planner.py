@@ -75,6 +75,8 @@ def test_rings_that_forward_node_local_messages_stream():
     assert not ring_streams(cluster, [[0, 4]])  # a pair exchange: each forwards what just crossed
     assert not ring_streams(cluster, [[0, 4, 1, 5]])  # every hop crosses
     assert not ring_streams(cluster, [list(range(8)), [0, 4]])  # every ring has to
+    # StarTrail-2's sub-ring on 4 x 4, positions 0, 2, 4, 6: spans nodes 0, 0, 1, 1 and streams.
+    assert ring_streams(slow_link_cluster(4, 4), [[0, 2, 4, 6]])
 
 
 def test_a_streaming_ring_pays_the_inter_node_latency_once_per_phase():
@@ -86,6 +88,32 @@ def test_a_streaming_ring_pays_the_inter_node_latency_once_per_phase():
     assert predict(slow, WORK, 8, 1).time_s - predict(fast, WORK, 8, 1).time_s == pytest.approx(3 * 5e-3)
     steps_u4 = 1 + 2 + 1  # forward, backward steps, the last dK, dV
     assert predict(slow, WORK, 8, 1, 4).time_s - predict(fast, WORK, 8, 1, 4).time_s >= steps_u4 * 5e-3
+
+
+def test_compute_hides_a_streaming_ring_latency():
+    # Compute-bound (fast link, slow kernel): the phases' latencies hide behind compute
+    # as they do in a lock-step ring; at most the last dK, dV, waited on alone, shows.
+    kw = dict(intra_node_gbs=1.0, inter_node_gbs=10.0, nics_per_node=1, attention_tflops=1e-4)
+    fast = ClusterSpec(2, 4, inter_latency_s=0.0, **kw)
+    slow = ClusterSpec(2, 4, inter_latency_s=1e-3, **kw)
+    assert 0 <= predict(slow, WORK, 8, 1).time_s - predict(fast, WORK, 8, 1).time_s <= 1e-3 + 1e-12
+
+
+def test_pytorch_ring_model_streams_like_the_projects_ring():
+    from benchmarks.peer_models import predict_torch_ring  # noqa: PLC0415
+
+    # Link-bound: K, V forward and K, V + dK, dV backward each pay the latency once, and
+    # the last dK, dV once more -- the same three as the project's ring.
+    fast, slow = slow_link_cluster(2, 4, inter_latency_s=0.0), slow_link_cluster(2, 4, inter_latency_s=5e-3)
+    extra = predict_torch_ring(slow, WORK, 8, "alltoall") - predict_torch_ring(fast, WORK, 8, "alltoall")
+    assert extra == pytest.approx(3 * 5e-3)
+    # Same bytes and schedule shape as the project's ring: the same price.
+    assert predict_torch_ring(slow, WORK, 8, "alltoall") == pytest.approx(predict(slow, WORK, 8, 1).time_s, rel=1e-6)
+    # One rank per node: every hop crosses, lock-step, a latency per hop.
+    mesh_fast, mesh_slow = slow_link_cluster(8, 1, inter_latency_s=0.0), slow_link_cluster(8, 1, inter_latency_s=5e-3)
+    hops = 7 + 1 + 6 + 1 + 1  # forward K, V; backward K, V, K, V + dK, dV, dK, dV; the last dK, dV
+    extra = predict_torch_ring(mesh_slow, WORK, 8, "alltoall") - predict_torch_ring(mesh_fast, WORK, 8, "alltoall")
+    assert extra >= hops * 5e-3 - 1e-9
 
 
 def test_rounds_where_a_rank_pair_sends_both_ways_use_the_duplex_rate():
