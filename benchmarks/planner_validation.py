@@ -62,7 +62,7 @@ def report(rows: list[dict]) -> str:
                   "| measured: eff. inter-node MB/s (one way / both ways on one pair), intra MB/s, GFLOP/s per rank, "
                   "overlap, step latency ms |",
               "|---|---|---|---|---|---|---|---|---|---|"]
-    clear_total = wrong_total = material_total = material_wrong = 0
+    clear_total = wrong_total = material_total = material_wrong = tied_total = 0
     wrong_gaps = []
     for key in dict.fromkeys(cluster_key(r) for r in rows):
         group = [r for r in rows if cluster_key(r) == key]
@@ -72,6 +72,7 @@ def report(rows: list[dict]) -> str:
         material_total += len(check.material(check.clear))
         material_wrong += len(check.material(check.wrong))
         wrong_gaps += [check.gap[p] for p in check.wrong]
+        tied_total += len(check.tied)
         lines.append(
             f"| {key[4][:-5]} | {key[0]}x{key[1]} | {key[2]} | {key[3]:g} | {check.cells()} | "
             f"{1e3 * cal.get('inter_node_gbs', 0):.1f} / {1e3 * cal.get('inter_node_duplex_gbs', float('nan')):.1f}, "
@@ -82,6 +83,7 @@ def report(rows: list[dict]) -> str:
     lines += ["", f"{within} of {len(rows)} predictions within 20 % of the measured time; "
                   f"largest error {100 * max(errors):.0f} %. Rankings: {wrong_total} of {clear_total} pairs with a "
                   "clear measured order (faster in every round) predicted in the wrong order"
+                  + (f" ({tied_total} of them priced the same: a tie counts as wrong)" if tied_total else "")
                   + (f", measured at most {100 * max(wrong_gaps):.1f} % apart" if wrong_gaps else "")
                   + f"; of the {material_total} clear pairs at least {100 * MATERIAL_GAP:.0f} % apart, "
                   f"{material_wrong} predicted in the wrong order."]

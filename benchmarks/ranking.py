@@ -65,6 +65,7 @@ class RankingCheck:
     clear: list[tuple[str, str]]  # pairs with a clear measured order
     wrong: list[tuple[str, str]]  # of those, predicted the other way
     gap: dict[tuple[str, str], float]  # clear pair -> slower median / faster median - 1
+    tied: list[tuple[str, str]]  # wrong pairs the model prices the same (no order claimed, still counted)
 
     def material(self, pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
         """The pairs measured at least ``MATERIAL_GAP`` apart."""
@@ -72,18 +73,22 @@ class RankingCheck:
 
     def cells(self) -> str:
         """Table cells: measured ranking | predicted ranking | strict match | clear pairs | wrong ones."""
-        wrong = ", ".join(f"{a} < {b} ({100 * self.gap[(a, b)]:.1f}%)" for a, b in self.wrong) or "none"
+        wrong = ", ".join(f"{a} < {b} ({100 * self.gap[(a, b)]:.1f}%{', predicted a tie' if (a, b) in self.tied else ''})"
+                          for a, b in self.wrong) or "none"
         return (f"{' < '.join(self.measured)} | {' < '.join(self.predicted)} | "
                 f"{'yes' if self.measured == self.predicted else 'no'} | {len(self.clear)} | {wrong}")
 
 
 def check_ranking(rows: list[dict], interleaved: bool) -> RankingCheck:
     median = {r["name"]: r["time_ms_median"] for r in rows}
+    predicted = {r["name"]: r["predicted_ms"] for r in rows}
     clear = clear_pairs(rows, interleaved)
+    wrong = ranking_errors(rows, predicted, interleaved)
     return RankingCheck(
         measured=[r["name"] for r in sorted(rows, key=lambda r: r["time_ms_median"])],
         predicted=[r["name"] for r in sorted(rows, key=lambda r: r["predicted_ms"])],
         clear=clear,
-        wrong=ranking_errors(rows, {r["name"]: r["predicted_ms"] for r in rows}, interleaved),
+        wrong=wrong,
         gap={(a, b): median[b] / median[a] - 1 for a, b in clear},
+        tied=[(a, b) for a, b in wrong if abs(predicted[a] - predicted[b]) <= 1e-9 * max(predicted[a], predicted[b])],
     )

@@ -39,4 +39,8 @@ def test_wrong_pairs_carry_their_measured_gap():
     assert check.wrong == [("a", "b")]
     assert check.gap[("a", "b")] < MATERIAL_GAP <= check.gap[("a", "c")]
     assert check.material(check.wrong) == [] and check.material(check.clear) == [("a", "c"), ("b", "c")]
-    assert "a < b (2.0%)" in check.cells()
+    assert "a < b (2.0%)" in check.cells() and check.tied == []
+    rows[1]["predicted_ms"] = 2.0  # priced the same as a: still wrong, shown as a tie
+    check = check_ranking(rows, interleaved=True)
+    assert check.wrong == check.tied == [("a", "b")]
+    assert "a < b (2.0%, predicted a tie)" in check.cells()
