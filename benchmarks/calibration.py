@@ -22,7 +22,7 @@ is calibrated per cluster, then compared with the attention rows it never saw.
   benchmarks/netns_cluster.py).
 * ``inter_node_duplex_gbs``: the same with every rank exchanging both ways with the
   same-index rank of its partner node (nodes paired 0-1, 2-3, ...). gloo carries both
-  directions of a rank pair on one TCP connection, and that moves a little less
+  directions of a rank pair on one TCP connection, and that moves 1-15% less
   (benchmarks/link_probe.py, results/link_probe.md: on 2x4 at 25 / 50 Mbit/s, one
   message per rank per round, one flow each way got 2.8 / 5.9 MB/s on one connection
   against 3.1 / 6.3 on two, four flows 3.0 / 6.0 against 3.1 / 6.2; under the earlier

@@ -15,8 +15,9 @@ Topologies::
                to each peer. One rank per node: the TASP setting, where a single ring
                uses one link per rank and concurrent rings use them all.
 
-Shaping is ``tc htb`` with bare ACKs served first: a full-duplex NIC (see ``_shape``;
-netem delays are not available on every kernel, so latency is left to the real stack). Needs root and iproute2: :func:`check_requirements` says what
+Shaping is ``tc htb`` with bare ACKs served first, and inter-node routes acknowledge at
+once (``QUICKACK``): a full-duplex NIC (see ``_shape``; netem delays are not available on
+every kernel, so latency is left to the real stack). Needs root and iproute2: :func:`check_requirements` says what
 is missing. Everything is torn down on exit, also after errors.
 """
 
@@ -72,11 +73,13 @@ def _shape(ns: str, dev: str, rate_mbit: float) -> None:
     behind up to 100 ms of outgoing data, the senders' windows stalled and the link
     idled; tbf's queue also dropped ~20% of packets (TCP retransmits, 200 ms timeouts).
     On 2x4 at 25 Mbit/s (3.12 MB/s) one flow moved 2.1-2.5 MB/s one way per rank pair,
-    1.8 both ways on one pair (benchmarks/link_probe.py); with this 3.1 and 2.8, four
-    flows 3.1 either way, no packet dropped. A NIC of a GPU cluster is full duplex and
-    its fabric lossless (InfiniBand credits, RoCE with PFC); this is closer to that. The
-    ACKs still count against the rate (they borrow from the one parent class), with a
-    50th of it guaranteed.
+    1.8 both ways on one pair (benchmarks/link_probe.py); with this (and ``QUICKACK``)
+    3.1 and 2.8, four flows 3.1 and 3.0, no packet dropped. A NIC of a GPU cluster is
+    full duplex and its fabric lossless (InfiniBand credits, RoCE with PFC); this is
+    closer to that. The ACKs still count against the rate (they borrow from the one
+    parent class), with a 50th of it guaranteed. The priority class takes every IP
+    packet under 128 bytes: bare ACKs, and also tiny data messages (an empty
+    collective's), which a NIC would not favour.
     """
     tc = ("ip", "netns", "exec", ns, "tc")
     rate = f"{rate_mbit}mbit"

@@ -12,9 +12,9 @@ as clear only when their time ranges do not overlap.
 The ranking is *correct up to noise* when the prediction orders every clear pair as
 measured; the strict ranking (medians) is reported next to it. Every wrongly ordered
 pair is shown with its measured gap (slower median / faster median - 1): on a quiet
-link two implementations of the same schedule can differ by 1-3% in every round, a
-clear order that no cost model of bytes, latencies and FLOPs resolves, and that no
-choice of configuration hinges on. ``MATERIAL_GAP`` splits those from the pairs a
+link two implementations of the same schedule can differ by 2-5% in every round, a
+clear order that a cost model of bytes, latencies and FLOPs does not resolve (it prices
+them the same: shown as "predicted a tie", still counted as wrong). ``MATERIAL_GAP`` splits those from the pairs a
 planner has to get right.
 """
 
