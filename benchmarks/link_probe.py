@@ -80,7 +80,6 @@ def worker() -> None:
 
 
 def main() -> None:
-    sys.path.insert(0, os.path.dirname(HERE))
     from benchmarks.netns_cluster import EmulatedCluster  # noqa: PLC0415
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -17,8 +17,9 @@ Topologies::
 
 Shaping is ``tc htb`` with bare ACKs served first, and inter-node routes acknowledge at
 once (``QUICKACK``): a full-duplex NIC (see ``_shape``; netem delays are not available on
-every kernel, so latency is left to the real stack). Needs root and iproute2: :func:`check_requirements` says what
-is missing. Everything is torn down on exit, also after errors.
+every kernel, so latency is left to the real stack). Needs root and iproute2:
+:func:`check_requirements` says what is missing. Everything is torn down on exit, also
+after errors.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ measured; the strict ranking (medians) is reported next to it. Every wrongly ord
 pair is shown with its measured gap (slower median / faster median - 1): on a quiet
 link two implementations of the same schedule can differ by 2-5% in every round, a
 clear order that a cost model of bytes, latencies and FLOPs does not resolve (it prices
-them the same: shown as "predicted a tie", still counted as wrong). ``MATERIAL_GAP`` splits those from the pairs a
-planner has to get right.
+them the same: shown as "predicted a tie", still counted as wrong). ``MATERIAL_GAP``
+splits those from the pairs a planner has to get right.
 """
 
 from __future__ import annotations
@@ -73,8 +73,11 @@ class RankingCheck:
 
     def cells(self) -> str:
         """Table cells: measured ranking | predicted ranking | strict match | clear pairs | wrong ones."""
-        wrong = ", ".join(f"{a} < {b} ({100 * self.gap[(a, b)]:.1f}%{', predicted a tie' if (a, b) in self.tied else ''})"
-                          for a, b in self.wrong) or "none"
+        def shown(a: str, b: str) -> str:
+            tie = ", predicted a tie" if (a, b) in self.tied else ""
+            return f"{a} < {b} ({100 * self.gap[(a, b)]:.1f}%{tie})"
+
+        wrong = ", ".join(shown(a, b) for a, b in self.wrong) or "none"
         return (f"{' < '.join(self.measured)} | {' < '.join(self.predicted)} | "
                 f"{'yes' if self.measured == self.predicted else 'no'} | {len(self.clear)} | {wrong}")
 

@@ -34,6 +34,7 @@ per GPU; the backward does 2.5x the forward's FLOPs (flash-attention recomputes)
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from .accounting import (
@@ -156,7 +157,7 @@ def _exchange_time(cluster: ClusterSpec, sends: list[tuple[int, int, float]],
     return t, max(inter_node.values(), default=0.0)
 
 
-def ring_streams(cluster: ClusterSpec, rings: list[list[int]]) -> bool:
+def ring_streams(cluster: ClusterSpec, rings: Iterable[Sequence[int]]) -> bool:
     """Whether rings' steps stream over the inter-node links: some hop crosses nodes, and
     in every ring (CP ranks in ring order, each sends to the next) every rank that sends
     to another node forwards what it received from a rank of its own node.
@@ -166,9 +167,10 @@ def ring_streams(cluster: ClusterSpec, rings: list[list[int]]) -> bool:
     link carries message after message without a gap: the crossing hop's latency is
     paid beside the transfer, once per phase, while the node-local hops still pay theirs
     every step. (Once per phase holds while a crossing transfer outlasts the latency; in
-    latency-bound rounds the chain through the node boundaries pays more.) Ring attention over nodes of several ranks streams (one hop per node
-    boundary, the others local); a ring whose every hop crosses (a pair exchange between
-    two nodes) forwards what just crossed: lock-step, a latency after every message."""
+    latency-bound rounds the chain through the node boundaries pays more.) Ring attention
+    over nodes of several ranks streams (one hop per node boundary, the others local); a
+    ring whose every hop crosses (a pair exchange between two nodes) forwards what just
+    crossed: lock-step, a latency after every message."""
     node = cluster.node_of
     crossing = [(ring, i) for ring in rings for i in range(len(ring))
                 if node(ring[i]) != node(ring[(i + 1) % len(ring)])]
@@ -271,7 +273,7 @@ def predict(cluster: ClusterSpec, work: Workload, cp_size: int, team_size: int, 
     payload_bwd, accumulator_bwd = backward_p2p_parts(shape, u, c)[rotation]
 
     rings = {tuple(cp_rank(p, x) for p in lane.order) for p in positions for x in range(u) for lane in lanes[p]}
-    streaming = g > 1 and ring_streams(cluster, [list(r) for r in rings])
+    streaming = g > 1 and ring_streams(cluster, rings)
     # A streaming ring pays the inter-node latency once per phase: with its first transfer,
     # where compute can still hide it.
     phase_latency = cluster.inter_latency_s if streaming else 0.0
