@@ -11,6 +11,15 @@ step attends half of the two chunks' blocks):
   last one after the loop).
 * ``alltoall``: K, V move one hop per step like the project's ring (C = 1), posted
   before the step computes, plus the same dK, dV accumulator in the backward.
+
+Two facts of gloo priced here (the project's own model has no use for them):
+
+* gloo's all-gather is a ring that keeps two half-blocks in flight (``gloo/allgather.cc``
+  waits for the next-to-last transfer, not the last), so it streams: its bytes at the
+  link's rate and one call latency, not a latency per hop.
+* Every hop of the ring (``permute_tensor``) is an all-to-all over all ranks with one
+  non-empty split; gloo's all-to-all still sends every other rank a message, empty here,
+  and the ones to other nodes cross the link: ``EMPTY_MESSAGE_WIRE_BYTES`` each.
 """
 
 from __future__ import annotations
@@ -19,11 +28,30 @@ from megatron_startrail.planner import (
     BACKWARD_FLOPS_RATIO,
     ClusterSpec,
     Workload,
-    _collective_time,
     _exchange_time,
     overlapped_steps,
     ring_streams,
 )
+
+# Inter-node bytes on the wire of one empty gloo message (framing, TCP/IP headers, ACKs),
+# measured by benchmarks/rotation_probe.py (results/rotation_probe*.md: 536, 540 and 537
+# bytes on 2 x 4 at 50, 100 and 200 Mbit/s, 536 on 3 x 4; a 4-byte tensor rotated by
+# permute_tensor against the same rotation by P2P, kernel counters).
+EMPTY_MESSAGE_WIRE_BYTES = 537
+
+
+def permute_overhead_s(cluster: ClusterSpec, p: int) -> float:
+    """Link time of the empty messages one ``permute_tensor`` call over ``p`` ranks sends
+    across nodes: each rank sends one to every rank other than itself and its next rank;
+    the busiest node's count, at the inter-node rate. They are posted with the payload
+    and share its link (the time they add is their bytes: 0.3-1.3 ms a call on 2 x 4,
+    about what PyTorch's all-to-all ring measured slower than the project's ring)."""
+    crossing: dict[int, int] = {}
+    for r in range(p):
+        for q in range(p):
+            if q not in (r, (r + 1) % p) and cluster.node_of(q) != cluster.node_of(r):
+                crossing[cluster.node_of(r)] = crossing.get(cluster.node_of(r), 0) + 1
+    return max(crossing.values(), default=0) * EMPTY_MESSAGE_WIRE_BYTES / (cluster.inter_node_gbs * 1e9)
 
 
 def predict_torch_ring(cluster: ClusterSpec, work: Workload, cp_size: int, rotate_method: str) -> float:
@@ -40,16 +68,22 @@ def predict_torch_ring(cluster: ClusterSpec, work: Workload, cp_size: int, rotat
     # not a buffered send to one neighbour; still, measured on the emulated cluster it
     # moves at the link's rate like the project's ring (benchmarks/README.md, planner
     # validation), so it is priced as a streaming ring (planner.ring_streams): the
-    # inter-node latency once per phase, with its first transfer.
+    # inter-node latency once per phase, with its first transfer. Each call adds its
+    # empty messages' bytes.
     streaming = ring_streams(cluster, [list(range(p))])
     phase_latency = cluster.inter_latency_s if streaming else 0.0
+    call_overhead = permute_overhead_s(cluster, p)
 
     def hop(nbytes: float, inter_latency: bool = not streaming) -> float:
-        return _exchange_time(cluster, [(r, (r + 1) % p, nbytes) for r in range(p)], inter_latency)[0]
+        ring = [(r, (r + 1) % p, nbytes) for r in range(p)]
+        return _exchange_time(cluster, ring, inter_latency)[0] + call_overhead
 
     kv_hop, dkv_hop = hop(kv_bytes), hop(dkv_bytes)
     if rotate_method == "allgather":
-        gather = _collective_time(cluster, [list(range(p))], (p - 1) * kv_bytes)[0]
+        # gloo's pipelined ring: all the blocks at the link's rate, one call latency.
+        ring = [(r, (r + 1) % p, (p - 1) * kv_bytes) for r in range(p)]
+        gather = (_exchange_time(cluster, ring, inter_latency=False)[0]
+                  + max(cluster.inter_latency_s, cluster.collective_latency_s or 0.0))
         fwd_flying = [gather] + [0.0] * (p - 1)
         bwd_flying = [gather] + [dkv_hop + phase_latency] + [dkv_hop] * (p - 2)  # dK, dV ring
     elif rotate_method == "alltoall":

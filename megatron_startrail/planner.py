@@ -159,22 +159,43 @@ def _exchange_time(cluster: ClusterSpec, sends: list[tuple[int, int, float]],
 
 def ring_streams(cluster: ClusterSpec, rings: Iterable[Sequence[int]]) -> bool:
     """Whether rings' steps stream over the inter-node links: some hop crosses nodes, and
-    in every ring (CP ranks in ring order, each sends to the next) every rank that sends
-    to another node forwards what it received from a rank of its own node.
+    either every rank that sends to another node forwards what it received from a rank of
+    its own node, or every inter-node link carries the crossing hops of two ranks or more.
 
-    Such a rank sends step i+1's message once its node-local predecessor's has landed,
-    not the message that crossed in step i, so (sends buffered by the transport) the
-    link carries message after message without a gap: the crossing hop's latency is
-    paid beside the transfer, once per phase, while the node-local hops still pay theirs
-    every step. (Once per phase holds while a crossing transfer outlasts the latency; in
-    latency-bound rounds the chain through the node boundaries pays more.) Ring attention
-    over nodes of several ranks streams (one hop per node boundary, the others local); a
-    ring whose every hop crosses (a pair exchange between two nodes) forwards what just
-    crossed: lock-step, a latency after every message."""
+    Forwarding node-local messages: such a rank sends step i+1's message once its
+    node-local predecessor's has landed, not the message that crossed in step i, so
+    (sends buffered by the transport) the link carries message after message without a
+    gap. Ring attention over nodes of several ranks streams that way (one hop per node
+    boundary, the others local).
+
+    Several senders per link: a rank that forwards what just crossed (every hop of
+    Ulysses-2 x ring on one rank pair per node crosses) waits a latency before its next
+    send, but the link it shares with other ranks' rings carries their queued messages
+    meanwhile: a FIFO link serves whole messages in turn, so one flow's gap is another's
+    transfer (measured: Ulysses-2 x ring on 4 nodes x 2 ranks ran at the link's rate,
+    benchmarks/README.md). A NIC of its own per rank (``nics_per_node``) shares nothing.
+
+    Either way the crossing hop's latency is paid beside the transfer, once per phase,
+    while node-local hops still pay theirs every step. (Once per phase holds while a
+    crossing transfer outlasts the latency; in latency-bound rounds the chain through the
+    node boundaries pays more.) Otherwise -- one ring forwarding what just crossed, alone
+    on its link (a pair exchange between two nodes of one rank each) -- lock-step: a
+    latency after every message."""
     node = cluster.node_of
     crossing = [(ring, i) for ring in rings for i in range(len(ring))
                 if node(ring[i]) != node(ring[(i + 1) % len(ring)])]
-    return bool(crossing) and all(node(ring[i - 1]) == node(ring[i]) for ring, i in crossing)
+    if not crossing:
+        return False
+    if all(node(ring[i - 1]) == node(ring[i]) for ring, i in crossing):
+        return True
+    # Ranks sending over each inter-node link: per node pair on a mesh, else per node,
+    # where each of the node's NICs must carry two of them.
+    senders: dict = {}
+    for ring, i in crossing:
+        link = (node(ring[i]), node(ring[(i + 1) % len(ring)])) if cluster.inter_node_mesh else node(ring[i])
+        senders.setdefault(link, set()).add(ring[i])
+    flows_needed = 2 if cluster.inter_node_mesh else 2 * cluster.nics_per_node
+    return min(len(ranks) for ranks in senders.values()) >= flows_needed
 
 
 def overlapped_steps(overlap: float, compute: list[float], transfer: list[float]) -> float:

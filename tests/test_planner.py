@@ -10,7 +10,7 @@ WORK = Workload(seq_length=8192, heads=4, kv_heads=4, head_dim=32, batch=1, dtyp
 
 def slow_link_cluster(nodes, per_node, **kw):
     return ClusterSpec(nodes=nodes, gpus_per_node=per_node, intra_node_gbs=1.0, inter_node_gbs=50 / 8 / 1000,
-                       nics_per_node=1, attention_tflops=0.01, **kw)
+                       **{"nics_per_node": 1, "attention_tflops": 0.01, **kw})
 
 
 def test_inter_node_bytes_are_the_implementations():
@@ -73,19 +73,39 @@ def test_rings_that_forward_node_local_messages_stream():
     assert ring_streams(cluster, [list(range(8))])  # ring attention: 3 -> 4 and 7 -> 0 forward 2's, 6's
     assert not ring_streams(cluster, [[0, 1, 2, 3]])  # no hop crosses: each forwards what just came
     assert not ring_streams(cluster, [[0, 4]])  # a pair exchange: each forwards what just crossed
-    assert not ring_streams(cluster, [[0, 4, 1, 5]])  # every hop crosses
-    assert not ring_streams(cluster, [list(range(8)), [0, 4]])  # every ring has to
+    # With a pair exchange beside it, each node's link carries two ranks' hops (3's and
+    # 0's from node 0): one's wait is the other's transfer (see below); with a NIC per
+    # two ranks each NIC carries one, and the pair exchange makes the rings lock-step.
+    assert ring_streams(cluster, [list(range(8)), [0, 4]])
+    assert not ring_streams(slow_link_cluster(2, 4, nics_per_node=2), [list(range(8)), [0, 4]])
     # StarTrail-2's sub-ring on 4 x 4, positions 0, 2, 4, 6: spans nodes 0, 0, 1, 1 and streams.
     assert ring_streams(slow_link_cluster(4, 4), [[0, 2, 4, 6]])
+
+
+def test_lock_step_rings_that_share_a_link_stream():
+    from megatron_startrail.planner import ring_streams  # noqa: PLC0415
+
+    # Ulysses-2 x ring on 4 nodes x 2 ranks: two rings, every hop crosses; each node's
+    # link carries both ranks' hops, so one ring's wait is the other's transfer.
+    rings = [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert ring_streams(slow_link_cluster(4, 2), rings)
+    assert not ring_streams(slow_link_cluster(4, 2), rings[:1])  # alone on its link: lock-step
+    assert not ring_streams(slow_link_cluster(4, 2, nics_per_node=2), rings)  # a NIC per rank
+    # Every hop of one ring crosses, but two of its ranks send over each node's link.
+    assert ring_streams(slow_link_cluster(2, 4), [[0, 4, 1, 5]])
+    # A full mesh: each node pair's link is its own; these rings put one sender on each.
+    assert not ring_streams(slow_link_cluster(4, 1, inter_node_mesh=True), [[0, 1, 2, 3], [0, 2, 1, 3]])
 
 
 def test_a_streaming_ring_pays_the_inter_node_latency_once_per_phase():
     # Link-bound ring attention on 2 x 4 (a step's transfer far above the latency):
     # raising the inter-node latency from 0 to 5 ms adds three latencies (the two
-    # phases' first messages and the last dK, dV, waited on alone), not one per step;
-    # Ulysses 4 x ring (a ring of two: lock-step) pays one per step and per transfer.
+    # phases' first messages and the last dK, dV, waited on alone), not one per step.
     fast, slow = slow_link_cluster(2, 4, inter_latency_s=0.0), slow_link_cluster(2, 4, inter_latency_s=5e-3)
     assert predict(slow, WORK, 8, 1).time_s - predict(fast, WORK, 8, 1).time_s == pytest.approx(3 * 5e-3)
+    # Ulysses 4 x ring (a ring of two per rank pair: lock-step) with a NIC per rank, so no
+    # ring shares a link: one latency per step and per transfer.
+    fast, slow = (slow_link_cluster(2, 4, inter_latency_s=lat, nics_per_node=4) for lat in (0.0, 5e-3))
     steps_u4 = 1 + 2 + 1  # forward, backward steps, the last dK, dV
     assert predict(slow, WORK, 8, 1, 4).time_s - predict(fast, WORK, 8, 1, 4).time_s >= steps_u4 * 5e-3
 
@@ -100,20 +120,48 @@ def test_compute_hides_a_streaming_ring_latency():
 
 
 def test_pytorch_ring_model_streams_like_the_projects_ring():
-    from benchmarks.peer_models import predict_torch_ring  # noqa: PLC0415
+    from benchmarks.peer_models import permute_overhead_s, predict_torch_ring  # noqa: PLC0415
 
     # Link-bound: K, V forward and K, V + dK, dV backward each pay the latency once, and
     # the last dK, dV once more -- the same three as the project's ring.
     fast, slow = slow_link_cluster(2, 4, inter_latency_s=0.0), slow_link_cluster(2, 4, inter_latency_s=5e-3)
     extra = predict_torch_ring(slow, WORK, 8, "alltoall") - predict_torch_ring(fast, WORK, 8, "alltoall")
     assert extra == pytest.approx(3 * 5e-3)
-    # Same bytes and schedule shape as the project's ring: the same price.
-    assert predict_torch_ring(slow, WORK, 8, "alltoall") == pytest.approx(predict(slow, WORK, 8, 1).time_s, rel=1e-6)
+    # Same bytes and schedule shape as the project's ring, plus the empty messages of
+    # each of its 3P - 2 all-to-all calls (K, V: P - 1 forward, P - 1 backward; dK, dV: P).
+    calls = 3 * 8 - 2
+    assert predict_torch_ring(slow, WORK, 8, "alltoall") == pytest.approx(
+        predict(slow, WORK, 8, 1).time_s + calls * permute_overhead_s(slow, 8), rel=1e-6)
     # One rank per node: every hop crosses, lock-step, a latency per hop.
     mesh_fast, mesh_slow = slow_link_cluster(8, 1, inter_latency_s=0.0), slow_link_cluster(8, 1, inter_latency_s=5e-3)
     hops = 7 + 1 + 6 + 1 + 1  # forward K, V; backward K, V, K, V + dK, dV, dK, dV; the last dK, dV
     extra = predict_torch_ring(mesh_slow, WORK, 8, "alltoall") - predict_torch_ring(mesh_fast, WORK, 8, "alltoall")
     assert extra >= hops * 5e-3 - 1e-9
+
+
+def test_pytorch_all_gather_streams_as_gloo_pipelines_it():
+    from benchmarks.peer_models import predict_torch_ring  # noqa: PLC0415
+
+    # gloo's all-gather keeps two half-blocks in flight: a latency per call, not per hop.
+    # Link-bound on 2 x 4: the forward's and the backward's all-gathers, the dK, dV
+    # ring's phase and its last hop -- four latencies, whatever P is.
+    fast, slow = slow_link_cluster(2, 4, inter_latency_s=0.0), slow_link_cluster(2, 4, inter_latency_s=5e-3)
+    extra = predict_torch_ring(slow, WORK, 8, "allgather") - predict_torch_ring(fast, WORK, 8, "allgather")
+    assert extra == pytest.approx(4 * 5e-3)
+
+
+def test_empty_messages_of_a_permute_are_counted_per_node():
+    from benchmarks.peer_models import EMPTY_MESSAGE_WIRE_BYTES, permute_overhead_s  # noqa: PLC0415
+    from benchmarks.rotation_probe import empty_messages_crossing  # noqa: PLC0415
+
+    # 2 x 4: each of a node's 4 ranks sends to the other node's 4, less the one payload
+    # (rank 3 -> 4): 15; the probe divides its measured bytes by the same count.
+    for nodes, per_node, messages in ((2, 4, 15), (3, 4, 31), (4, 2, 11)):
+        cluster = slow_link_cluster(nodes, per_node)
+        assert empty_messages_crossing(nodes, per_node) == messages
+        assert permute_overhead_s(cluster, nodes * per_node) == pytest.approx(
+            messages * EMPTY_MESSAGE_WIRE_BYTES / (cluster.inter_node_gbs * 1e9))
+    assert permute_overhead_s(slow_link_cluster(1, 8), 8) == 0.0  # one node: nothing crosses
 
 
 def test_rounds_where_a_rank_pair_sends_both_ways_use_the_duplex_rate():
