@@ -82,8 +82,10 @@ def predict_torch_ring(cluster: ClusterSpec, work: Workload, cp_size: int, rotat
     if rotate_method == "allgather":
         # gloo's pipelined ring: all the blocks at the link's rate, one call latency.
         ring = [(r, (r + 1) % p, (p - 1) * kv_bytes) for r in range(p)]
+        crosses = any(cluster.node_of(r) != cluster.node_of((r + 1) % p) for r in range(p))
+        hop_latency = cluster.inter_latency_s if crosses else cluster.intra_latency_s
         gather = (_exchange_time(cluster, ring, inter_latency=False)[0]
-                  + max(cluster.inter_latency_s, cluster.collective_latency_s or 0.0))
+                  + max(hop_latency, cluster.collective_latency_s or 0.0))
         fwd_flying = [gather] + [0.0] * (p - 1)
         bwd_flying = [gather] + [dkv_hop + phase_latency] + [dkv_hop] * (p - 2)  # dK, dV ring
     elif rotate_method == "alltoall":

@@ -4,7 +4,8 @@ What a user gets from ``torch.distributed.tensor.experimental.context_parallel``
 PyTorch's ring attention (``_templated_ring_attention`` and its backward) around the
 fused SDPA kernel, with the head-tail load balancer for causal masks (rank ``r`` holds
 chunks ``r`` and ``2P-1-r``: Megatron's layout) and K/V rotated by an all-gather by
-default (``set_rotate_method("alltoall")`` makes it a P2P ring).
+default (``set_rotate_method("alltoall")`` moves them one hop per step instead, each hop an
+all-to-all over all ranks with one non-empty split: ``permute_tensor``).
 
 The public entry point cannot run here: torch 2.13's CP dispatcher only handles the
 CUDA SDPA ops (flash / efficient / cuDNN); on CPU, SDPA lowers to

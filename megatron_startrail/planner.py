@@ -186,16 +186,18 @@ def ring_streams(cluster: ClusterSpec, rings: Iterable[Sequence[int]]) -> bool:
                 if node(ring[i]) != node(ring[(i + 1) % len(ring)])]
     if not crossing:
         return False
-    if all(node(ring[i - 1]) == node(ring[i]) for ring, i in crossing):
-        return True
     # Ranks sending over each inter-node link: per node pair on a mesh, else per node,
-    # where each of the node's NICs must carry two of them.
+    # where each of the node's NICs must carry two of them (ranks spread evenly).
+    def link(ring, i):
+        return (node(ring[i]), node(ring[(i + 1) % len(ring)])) if cluster.inter_node_mesh else node(ring[i])
+
     senders: dict = {}
     for ring, i in crossing:
-        link = (node(ring[i]), node(ring[(i + 1) % len(ring)])) if cluster.inter_node_mesh else node(ring[i])
-        senders.setdefault(link, set()).add(ring[i])
+        senders.setdefault(link(ring, i), set()).add(ring[i])
     flows_needed = 2 if cluster.inter_node_mesh else 2 * cluster.nics_per_node
-    return min(len(ranks) for ranks in senders.values()) >= flows_needed
+    # Every crossing sender either forwards a node-local message or shares its link.
+    return all(node(ring[i - 1]) == node(ring[i]) or len(senders[link(ring, i)]) >= flows_needed
+               for ring, i in crossing)
 
 
 def overlapped_steps(overlap: float, compute: list[float], transfer: list[float]) -> float:

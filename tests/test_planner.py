@@ -90,11 +90,33 @@ def test_lock_step_rings_that_share_a_link_stream():
     rings = [[0, 2, 4, 6], [1, 3, 5, 7]]
     assert ring_streams(slow_link_cluster(4, 2), rings)
     assert not ring_streams(slow_link_cluster(4, 2), rings[:1])  # alone on its link: lock-step
-    assert not ring_streams(slow_link_cluster(4, 2, nics_per_node=2), rings)  # a NIC per rank
+    assert not ring_streams(slow_link_cluster(4, 2, nics_per_node=2), rings)  # a NIC for each
     # Every hop of one ring crosses, but two of its ranks send over each node's link.
     assert ring_streams(slow_link_cluster(2, 4), [[0, 4, 1, 5]])
-    # A full mesh: each node pair's link is its own; these rings put one sender on each.
-    assert not ring_streams(slow_link_cluster(4, 1, inter_node_mesh=True), [[0, 1, 2, 3], [0, 2, 1, 3]])
+    # A full mesh: each node pair's link is its own. Both rings' hops from node 0 to 1
+    # share link 0 -> 1 (and so on round the nodes): they stream; a second ring that
+    # crosses on other links leaves each of its senders alone on its link: lock-step.
+    mesh = slow_link_cluster(4, 2, inter_node_mesh=True)
+    assert ring_streams(mesh, rings)
+    assert not ring_streams(mesh, [[0, 2, 4, 6], [1, 5, 3, 7]])
+    # Mixed: ring attention's 3 -> 4 is alone on link 1 -> 2 but forwards 2's message,
+    # and the pair exchanges' senders share their links: streams. One pair exchange
+    # alone on link 1 -> 0 (2 forwards what 0 just sent across): lock-step.
+    assert ring_streams(mesh, [list(range(8)), [0, 2], [1, 3]])
+    assert not ring_streams(mesh, [list(range(8)), [0, 2]])
+
+
+def test_ulysses_ring_sharing_a_link_pays_the_latency_once_per_phase():
+    # Ulysses-2 x ring on 4 x 2, link-bound: 5 ms more inter-node latency costs the two
+    # phases' first transfers and the last dK, dV (three), as ring attention does; with a
+    # NIC per rank its rings are lock-step and pay it every hop (3 forward, 3 + 1 backward,
+    # the last dK, dV).
+    def extra(**kw):
+        fast, slow = (slow_link_cluster(4, 2, inter_latency_s=lat, **kw) for lat in (0.0, 5e-3))
+        return predict(slow, WORK, 8, 1, 2).time_s - predict(fast, WORK, 8, 1, 2).time_s
+
+    assert extra() == pytest.approx(3 * 5e-3)
+    assert extra(nics_per_node=2) >= 8 * 5e-3 - 1e-12
 
 
 def test_a_streaming_ring_pays_the_inter_node_latency_once_per_phase():
