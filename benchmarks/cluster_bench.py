@@ -106,7 +106,6 @@ def parse_config(name: str) -> dict:
 
 
 def run_once(args, rate_mbit: float, configs: list[dict]) -> list[dict]:
-    world = args.nodes * args.ranks_per_node
     with tempfile.TemporaryDirectory() as tmp, EmulatedCluster(args.nodes, rate_mbit, args.topology) as cluster:
         spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "out.json")
         json.dump({
@@ -116,16 +115,8 @@ def run_once(args, rate_mbit: float, configs: list[dict]) -> list[dict]:
             "configs": configs, "warmup": args.warmup, "iters": args.iters, "output": out_path,
             "rate_mbit": rate_mbit or 10000.0,
         }, open(spec_path, "w"))
-        procs = []
-        for rank in range(world):
-            env = {"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": cluster.address(0),
-                   "MASTER_PORT": str(args.port), "RANKS_PER_NODE": str(args.ranks_per_node),
-                   "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(HERE)}
-            procs.append(cluster.spawn(rank // args.ranks_per_node,
-                                       [sys.executable, os.path.join(HERE, "attention_worker.py"), spec_path], env))
-        codes = [p.wait(timeout=args.timeout) for p in procs]
-        if any(codes):
-            raise RuntimeError(f"benchmark ranks failed with exit codes {codes}")
+        cluster.run_ranks(args.ranks_per_node, [sys.executable, os.path.join(HERE, "attention_worker.py"), spec_path],
+                          {"PYTHONPATH": os.path.dirname(HERE)}, args.port, timeout=args.timeout)
         results = json.load(open(out_path))
     for r in results:
         r["rate_mbit"] = rate_mbit

@@ -92,19 +92,12 @@ def main() -> None:
     args = p.parse_args()
     if args.nodes < 2 or args.nodes % 2:
         p.error("--nodes must be even: 'both ways' pairs node 0 with 1, 2 with 3, ...")
-    world = args.nodes * args.ranks_per_node
     rows = []
     for rate in args.rate_mbit:
         output = f"{args.out}.{rate:g}.tmp.json"
         with EmulatedCluster(args.nodes, rate) as cluster:
-            procs = [cluster.spawn(r // args.ranks_per_node, [sys.executable, os.path.abspath(__file__), "--worker"], {
-                "RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": cluster.address(0),
-                "MASTER_PORT": str(args.port), "RANKS_PER_NODE": str(args.ranks_per_node), "OMP_NUM_THREADS": "1",
-                "MESSAGE": str(args.message_bytes), "RATE": str(rate), "OUTPUT": output})
-                for r in range(world)]
-            codes = [proc.wait(timeout=600) for proc in procs]
-        if any(codes):
-            raise RuntimeError(f"probe ranks failed with exit codes {codes}")
+            cluster.run_ranks(args.ranks_per_node, [sys.executable, os.path.abspath(__file__), "--worker"],
+                              {"MESSAGE": str(args.message_bytes), "RATE": str(rate), "OUTPUT": output}, args.port)
         rows += [{"rate_mbit": rate, **row} for row in json.load(open(output))]
         os.remove(output)
     lines = [f"{args.nodes} nodes x {args.ranks_per_node} ranks, {args.message_bytes // 1024} KiB per message",

@@ -204,3 +204,17 @@ class EmulatedCluster:
         links = ",".join(dev for ns, dev in self._links if ns == self.namespaces[node])
         full_env = dict(os.environ, **env, GLOO_SOCKET_IFNAME=self.gloo_interface(node), INTER_NODE_LINKS=links)
         return subprocess.Popen(["ip", "netns", "exec", self.namespaces[node], *argv], env=full_env, **popen)
+
+    def run_ranks(self, ranks_per_node: int, argv: list[str], env: dict[str, str], port: int,
+                  timeout: float = 600) -> None:
+        """Run ``argv`` as every rank of a torch.distributed job over the cluster (rank r on
+        node r // ranks_per_node, rendezvous on node 0), each with RANK, WORLD_SIZE,
+        MASTER_ADDR, MASTER_PORT, RANKS_PER_NODE, OMP_NUM_THREADS=1 and ``env``; wait for
+        all and raise if any failed."""
+        world = self.nodes * ranks_per_node
+        procs = [self.spawn(rank // ranks_per_node, argv, {
+            "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": self.address(0), "MASTER_PORT": str(port),
+            "RANKS_PER_NODE": str(ranks_per_node), "OMP_NUM_THREADS": "1", **env}) for rank in range(world)]
+        codes = [proc.wait(timeout=timeout) for proc in procs]
+        if any(codes):
+            raise RuntimeError(f"ranks of {' '.join(argv[-2:])} failed with exit codes {codes}")

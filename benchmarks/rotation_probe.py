@@ -115,21 +115,15 @@ def main() -> None:
     p.add_argument("--port", type=int, default=29573)
     p.add_argument("--out", required=True, help="writes OUT.json and OUT.md")
     args = p.parse_args()
-    world, crossing = args.nodes * args.ranks_per_node, empty_messages_crossing(args.nodes, args.ranks_per_node)
+    crossing = empty_messages_crossing(args.nodes, args.ranks_per_node)
     runs = []
     for rate in args.rate_mbit:
         output = f"{args.out}.{rate:g}.tmp.json"
         # ~0.4 s of payload per repeat at the nominal rate (all crossing ranks share the link).
         rounds = max(5, round(rate * 1e6 / 8 * 0.4 / args.message_bytes))
         with EmulatedCluster(args.nodes, rate) as cluster:
-            procs = [cluster.spawn(r // args.ranks_per_node, [sys.executable, os.path.abspath(__file__), "--worker"], {
-                "RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": cluster.address(0),
-                "MASTER_PORT": str(args.port), "RANKS_PER_NODE": str(args.ranks_per_node), "OMP_NUM_THREADS": "1",
-                "MESSAGE": str(args.message_bytes), "ROUNDS": str(rounds), "OUTPUT": output})
-                for r in range(world)]
-            codes = [proc.wait(timeout=600) for proc in procs]
-        if any(codes):
-            raise RuntimeError(f"probe ranks failed with exit codes {codes}")
+            cluster.run_ranks(args.ranks_per_node, [sys.executable, os.path.abspath(__file__), "--worker"],
+                              {"MESSAGE": str(args.message_bytes), "ROUNDS": str(rounds), "OUTPUT": output}, args.port)
         rows = json.load(open(output))
         os.remove(output)
         runs.append({"rate_mbit": rate, "rows": rows,
