@@ -14,7 +14,10 @@ measures whether such rounds move slower than the stream.
 
 Rank (n, i) exchanges one message with (n xor 1, i), for the first ``flows`` ranks of every
 node, after a barrier and ``idle`` seconds; the figure is bytes per node / time of the
-slowest rank (median of 5), MB/s, with no latency taken off.
+slowest rank (median of 5), MB/s, with no latency taken off. The last row sends the two
+directions of one pair through two process groups, i.e. on two gloo connections: a
+lone pair's single message each way on one connection took twice the one-way time (the
+two directions serialised), on two connections the one-way time.
 """
 
 from __future__ import annotations
@@ -43,7 +46,26 @@ def worker() -> None:
     per_node = int(os.environ["RANKS_PER_NODE"])
     node, index = divmod(rank, per_node)
     partner = (node ^ 1) * per_node + index
+    # A second group over the same ranks: its own gloo connection per rank pair.
+    twin = dist.new_group(list(range(dist.get_world_size())))
     rows = []
+    for nbytes in SIZES:  # one pair, each direction on its own connection
+        buf, got = torch.rand(nbytes // 4), torch.empty(nbytes // 4)
+        times = []
+        for _ in range(5):
+            dist.barrier()
+            start = time.perf_counter()
+            if index == 0:
+                up = node < node ^ 1  # the lower node sends on the twin group, receives on the default
+                works = [dist.isend(buf, partner, group=twin if up else None),
+                         dist.irecv(got, partner, group=None if up else twin)]
+                for work in works:
+                    work.wait()
+            elapsed = torch.tensor([time.perf_counter() - start])
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            times.append(elapsed.item())
+        rows.append({"idle_s": 0.0, "flows": 1, "message_bytes": nbytes, "two_connections": True,
+                     "mb_per_s": nbytes / statistics.median(times) / 1e6})
     for idle in IDLE_S:
         for flows in sorted({1, 2, per_node}):
             for nbytes in SIZES:
@@ -61,7 +83,7 @@ def worker() -> None:
                     elapsed = torch.tensor([time.perf_counter() - start])
                     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                     times.append(elapsed.item())
-                rows.append({"idle_s": idle, "flows": flows, "message_bytes": nbytes,
+                rows.append({"idle_s": idle, "flows": flows, "message_bytes": nbytes, "two_connections": False,
                              "mb_per_s": flows * nbytes / statistics.median(times) / 1e6})
     if rank == 0:
         json.dump(rows, open(os.environ["OUTPUT"], "w"))
@@ -92,8 +114,12 @@ def main() -> None:
              "|---|---|" + "---|" * len(SIZES)]
     for idle in IDLE_S:
         for flows in sorted({r["flows"] for r in rows}):
-            got = {r["message_bytes"]: r["mb_per_s"] for r in rows if r["idle_s"] == idle and r["flows"] == flows}
+            got = {r["message_bytes"]: r["mb_per_s"] for r in rows
+                   if r["idle_s"] == idle and r["flows"] == flows and not r["two_connections"]}
             lines.append(f"| {idle:g} | {flows} | " + " | ".join(f"{got[s]:.2f}" for s in SIZES) + " |")
+    got = {r["message_bytes"]: r["mb_per_s"] for r in rows if r["two_connections"]}
+    lines.append("| 0 | 1, each direction on its own connection | "
+                 + " | ".join(f"{got[s]:.2f}" for s in SIZES) + " |")
     json.dump({"argv": sys.argv, "rows": rows}, open(args.out + ".json", "w"), indent=1)
     open(args.out + ".md", "w").write("\n".join(lines) + "\n")
     print("\n".join(lines))
