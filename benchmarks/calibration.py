@@ -21,8 +21,11 @@ is calibrated per cluster, then compared with the attention rows it never saw.
   really delivers (close to nominal since the link is shaped as a full-duplex NIC,
   benchmarks/netns_cluster.py).
 * ``inter_node_duplex_gbs``: the same with every rank exchanging both ways with the
-  same-index rank of its partner node (nodes paired 0-1, 2-3, ...). gloo carries both
-  directions of a rank pair on one TCP connection, and that moves 1-15% less
+  same-index rank of its partner node (nodes paired 0-1, 2-3, ...), each direction on its
+  own connection, as the project's transport sends on gloo (a second process group for
+  transfers to a lower rank: a single message each way on one connection serialises,
+  benchmarks/burst_probe.py). Before that, one connection carried both directions,
+  and that moved 1-15% less
   (benchmarks/link_probe.py, results/link_probe.md: on 2x4 at 25 / 50 Mbit/s, one
   message per rank per round, one flow each way got 2.8 / 5.9 MB/s on one connection
   against 3.1 / 6.3 on two, four flows 3.0 / 6.0 against 3.1 / 6.2; under the earlier
@@ -89,12 +92,23 @@ def inter_node_peers(rank: int, per_node: int, nodes: int) -> dict[str, tuple[in
     return peers
 
 
-def _exchange(send_to: int, recv_from: int, nbytes: int):
+def _exchange(send_to: int, recv_from: int, nbytes: int, reverse_group=None):
+    """Post one send and one receive of ``nbytes``; with ``reverse_group``, a transfer to a
+    lower rank goes through it, as the project's transport sends (comm.Communicator)."""
     buf, got = torch.empty(nbytes // 4), torch.empty(nbytes // 4)
     buf.uniform_()
+    rank = dist.get_rank()
+
+    def group(src: int, dst: int):
+        return reverse_group if reverse_group is not None and dst < src else None
 
     def post():
-        return dist.batch_isend_irecv([dist.P2POp(dist.isend, buf, send_to), dist.P2POp(dist.irecv, got, recv_from)])
+        batches: dict = {}
+        for op, tensor, peer, src, dst in ((dist.isend, buf, send_to, rank, send_to),
+                                           (dist.irecv, got, recv_from, recv_from, rank)):
+            g = group(src, dst)
+            batches.setdefault(g, []).append(dist.P2POp(op, tensor, peer, group=g))
+        return [w for batch in batches.values() for w in dist.batch_isend_irecv(batch)]
 
     return post
 
@@ -126,9 +140,13 @@ def measure_cluster(per_node: int, nominal_mbit: float, q, k, v, dout, causal: b
     peers = {**inter_node_peers(rank, per_node, nodes),
              "intra": (node_base + (rank + 1) % per_node, node_base + (rank - 1) % per_node)}
 
+    # The project's transport sends to a lower rank through a second group on gloo, so the
+    # two directions of a rank pair use two connections (groups.StarTrailGroups).
+    reverse_group = dist.new_group(list(range(world))) if dist.get_backend() == "gloo" else None
+
     def stream(kind: str, messages: int):
         # A rank without a peer for ``kind`` (no duplex partner) posts nothing.
-        post = _exchange(*peers[kind], message) if kind in peers else (lambda: [])
+        post = _exchange(*peers[kind], message, reverse_group) if kind in peers else (lambda: [])
 
         def run():
             pending = []

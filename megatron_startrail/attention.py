@@ -152,7 +152,8 @@ class _StarTrailAttention(torch.autograd.Function):
                 fwd_stats, bwd_stats, timeline):
         # q [n, b, h, dqk], k [n, b, hkv, dqk], v [n, b, hkv, dv]; n = len(my chunks) * L
         kernel = kernel_for(q, k, v, groups.kernel)
-        comm = Communicator(fwd_stats, groups.startrail_group, groups.startrail_global_ranks, timeline)
+        comm = Communicator(fwd_stats, groups.startrail_group, groups.startrail_global_ranks, timeline,
+                            groups.startrail_reverse_group)
         q_team, kv_init = _gather_team_and_send(comm, groups, q, k, v, gather_op="team_all_gather",
                                                 send_op="init_send")
         acc_out, acc_lse = _sub_ring_forward(comm, groups, docs, kernel, transfer, q_team, kv_init,
@@ -171,7 +172,8 @@ class _StarTrailAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         groups, docs = ctx.groups, ctx.docs
-        comm = Communicator(ctx.bwd_stats, groups.startrail_group, groups.startrail_global_ranks, ctx.timeline)
+        comm = Communicator(ctx.bwd_stats, groups.startrail_group, groups.startrail_global_ranks, ctx.timeline,
+                            groups.startrail_reverse_group)
         if ctx.regather:  # phases 1-2 again, on this rank's q, k, v
             q, k, v, out, lse = ctx.saved_tensors
             q_team, kv_init = _gather_team_and_send(comm, groups, q, k, v, gather_op="regather_team_all_gather",

@@ -101,15 +101,25 @@ class Communicator:
     """Collectives on one group and P2P on another, recording into ``stats``.
 
     ``p2p_group`` is the StarTrail group; peers are given as positions in it.
+    ``reverse_group`` (optional) is a second group over the same ranks: transfers to a
+    lower position go through it, so the two directions of a rank pair use two
+    connections (see ``StarTrailGroups.startrail_reverse_group``).
     ``timeline`` (a :class:`~megatron_startrail.timeline.Timeline`, optional) records
     the time blocked in every collective and every P2P ``wait()``.
     """
 
-    def __init__(self, stats: CommStats, p2p_group, p2p_global_ranks: tuple[int, ...], timeline=None) -> None:
+    def __init__(self, stats: CommStats, p2p_group, p2p_global_ranks: tuple[int, ...], timeline=None,
+                 reverse_group=None) -> None:
         self.stats = stats
         self.p2p_group = p2p_group
         self.p2p_global_ranks = p2p_global_ranks
         self.timeline = timeline
+        self.reverse_group = reverse_group
+        self._position = p2p_global_ranks.index(dist.get_rank()) if reverse_group is not None else None
+
+    def _group(self, src: int, dst: int):
+        """The group carrying a transfer from position ``src`` to ``dst``."""
+        return self.reverse_group if self.reverse_group is not None and dst < src else self.p2p_group
 
     def _run(self, name: str, fn, out: torch.Tensor, *args, wait: bool, **kwargs):
         """Run collective ``name`` writing ``out``: blocking (``wait=True``, returns ``out``, its
@@ -139,21 +149,24 @@ class Communicator:
         ``counts_as_step=False`` marks a transfer that runs concurrently with another
         chain of rounds (so it adds no sequential step of its own).
         """
-        ops = []
+        me = self._position
+        ops: dict = defaultdict(list)  # group -> its P2P ops (a batch takes one group)
         for t, peer in sends:
-            ops.append(dist.P2POp(dist.isend, t, group=self.p2p_group, group_peer=peer, tag=tag))
+            group = self._group(me, peer)
+            ops[group].append(dist.P2POp(dist.isend, t, group=group, group_peer=peer, tag=tag))
             nbytes = _nbytes(t)
             self.stats.p2p_bytes_sent += nbytes
             self.stats.p2p_bytes_sent_to[self.p2p_global_ranks[peer]] += nbytes
             self.stats.bytes_sent_by_op[op] += nbytes
         for t, peer in recvs:
-            ops.append(dist.P2POp(dist.irecv, t, group=self.p2p_group, group_peer=peer, tag=tag))
+            group = self._group(peer, me)
+            ops[group].append(dist.P2POp(dist.irecv, t, group=group, group_peer=peer, tag=tag))
             nbytes = _nbytes(t)
             self.stats.p2p_bytes_recv += nbytes
             self.stats.p2p_bytes_recv_from[self.p2p_global_ranks[peer]] += nbytes
         if ops and counts_as_step:
             self.stats.p2p_steps += 1
-        works = dist.batch_isend_irecv(ops) if ops else []
+        works = [w for batch in ops.values() for w in dist.batch_isend_irecv(batch)]
         return PendingP2P(works, self.timeline, op, tensors=[t for t, _ in sends + recvs])
 
     # -- collectives -----------------------------------------------------------------

@@ -66,6 +66,11 @@ class StarTrailGroups:
     startrail_global_ranks: tuple[int, ...]
     startrail_group: object
     team_group: object | None  # None when C == 1
+    # A second group over the same StarTrail ranks, carrying the P2P transfers to a lower
+    # position (gloo only, else None): gloo runs both directions of a rank pair on one TCP
+    # connection, and there a single message each way -- a pair exchange -- serialises
+    # (benchmarks/burst_probe.py: 3.4 MB/s on one connection, 6.4 on two, at 50 Mbit/s).
+    startrail_reverse_group: object | None = None
     backward_rotation: str = "auto"
     kernel: str = "auto"
     last_forward_stats: CommStats | None = field(default=None, repr=False)
@@ -153,11 +158,15 @@ def new_startrail_groups(
                 mine = pg
         return mine
 
-    ulysses_group = startrail_group = team_group = None
+    # NCCL runs the two directions of a pair on their own channels; gloo needs a second group.
+    split_directions = dist.get_backend() == "gloo"
+    ulysses_group = startrail_group = team_group = reverse_group = None
     for plan in plans:
         if ulysses_size > 1:
             ulysses_group = create(plan["ulysses"]) or ulysses_group
         startrail_group = create(plan["startrail"]) or startrail_group
+        if split_directions:
+            reverse_group = create(plan["startrail"]) or reverse_group
         if team_size > 1:
             team_group = create(plan["teams"]) or team_group
 
@@ -176,6 +185,7 @@ def new_startrail_groups(
         startrail_global_ranks=st_ranks,
         startrail_group=startrail_group,
         team_group=team_group,
+        startrail_reverse_group=reverse_group,
         backward_rotation=backward_rotation,
         kernel=kernel,
     )
