@@ -227,7 +227,14 @@ def _collective_time(cluster: ClusterSpec, groups: list[list[int]], bytes_per_ra
         return t, inter
     crosses = any(cluster.node_of(a) != cluster.node_of(b) for a, b, _ in sends)
     hop_latency = cluster.inter_latency_s if crosses else cluster.intra_latency_s
-    call_latency = max(hop_latency, cluster.collective_latency_s or 0.0)
+    if ring or cluster.collective_latency_s is None:
+        call_latency = max(hop_latency, cluster.collective_latency_s or 0.0)
+    else:
+        # An all-to-all (Ulysses', the merge's) costs what a tiny all-to-all measured per
+        # call, not a ring step's latency: Ulysses-2 x ring came out +3-6% in every run
+        # priced that way. (Priced so while gloo serialised pair exchanges, Ulysses-2 x
+        # StarTrail-2 went to -18%; with each direction on its own connection it does not.)
+        call_latency = cluster.collective_latency_s
     hops = max(len(g) for g in groups) - 1 if ring else 1
     # Each call: its own start (a collective call's latency), then hop after hop; the
     # exchange above already counted one hop's latency.
