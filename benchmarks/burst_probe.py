@@ -26,9 +26,7 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -41,6 +39,8 @@ def worker() -> None:
     import torch  # noqa: PLC0415 - only the ranks need torch
     import torch.distributed as dist  # noqa: PLC0415
 
+    from benchmarks.calibration import timed_max  # noqa: PLC0415
+
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank = dist.get_rank()
     per_node = int(os.environ["RANKS_PER_NODE"])
@@ -51,40 +51,30 @@ def worker() -> None:
     rows = []
     for nbytes in SIZES:  # one pair, each direction on its own connection
         buf, got = torch.rand(nbytes // 4), torch.empty(nbytes // 4)
-        times = []
-        for _ in range(5):
-            dist.barrier()
-            start = time.perf_counter()
+        up = node < node ^ 1  # the lower node sends on the twin group, receives on the default
+
+        def both_connections():
             if index == 0:
-                up = node < node ^ 1  # the lower node sends on the twin group, receives on the default
-                works = [dist.isend(buf, partner, group=twin if up else None),
-                         dist.irecv(got, partner, group=None if up else twin)]
-                for work in works:
+                for work in (dist.isend(buf, partner, group=twin if up else None),  # noqa: B023
+                             dist.irecv(got, partner, group=None if up else twin)):  # noqa: B023
                     work.wait()
-            elapsed = torch.tensor([time.perf_counter() - start])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            times.append(elapsed.item())
+
         rows.append({"idle_s": 0.0, "flows": 1, "message_bytes": nbytes, "two_connections": True,
-                     "mb_per_s": nbytes / statistics.median(times) / 1e6})
+                     "mb_per_s": nbytes / timed_max(both_connections, 5) / 1e6})
     for idle in IDLE_S:
         for flows in sorted({1, 2, per_node}):
             for nbytes in SIZES:
                 buf, got = torch.rand(nbytes // 4), torch.empty(nbytes // 4)
-                times = []
-                for _ in range(5):
-                    dist.barrier()
-                    time.sleep(idle)
-                    dist.barrier()
-                    start = time.perf_counter()
-                    if index < flows:
-                        ops = [dist.P2POp(dist.isend, buf, partner), dist.P2POp(dist.irecv, got, partner)]
+
+                def one_connection():
+                    if index < flows:  # noqa: B023
+                        ops = [dist.P2POp(dist.isend, buf, partner), dist.P2POp(dist.irecv, got, partner)]  # noqa: B023
                         for work in dist.batch_isend_irecv(ops):
                             work.wait()
-                    elapsed = torch.tensor([time.perf_counter() - start])
-                    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                    times.append(elapsed.item())
+
+                elapsed = timed_max(one_connection, 5, idle_s=idle)
                 rows.append({"idle_s": idle, "flows": flows, "message_bytes": nbytes, "two_connections": False,
-                             "mb_per_s": flows * nbytes / statistics.median(times) / 1e6})
+                             "mb_per_s": flows * nbytes / elapsed / 1e6})
     if rank == 0:
         json.dump(rows, open(os.environ["OUTPUT"], "w"))
     dist.destroy_process_group()

@@ -48,14 +48,19 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron_startrail.comm import CommStats, Communicator
 from megatron_startrail.kernels import TorchCPUFlashKernel
 
 
-def _timed_max(fn, repeats: int) -> float:
-    """Median over ``repeats`` of the slowest rank's time for ``fn`` (all ranks start together)."""
+def timed_max(fn, repeats: int, idle_s: float = 0.0) -> float:
+    """Median over ``repeats`` of the slowest rank's time for ``fn`` (all ranks start
+    together; with ``idle_s``, after that long with nothing sent)."""
     times = []
     for _ in range(repeats):
         dist.barrier()
+        if idle_s:
+            time.sleep(idle_s)
+            dist.barrier()
         start = time.perf_counter()
         fn()
         t = torch.tensor([time.perf_counter() - start])
@@ -93,22 +98,15 @@ def inter_node_peers(rank: int, per_node: int, nodes: int) -> dict[str, tuple[in
 
 
 def _exchange(send_to: int, recv_from: int, nbytes: int, reverse_group=None):
-    """Post one send and one receive of ``nbytes``; with ``reverse_group``, a transfer to a
-    lower rank goes through it, as the project's transport sends (comm.Communicator)."""
+    """Post one send and one receive of ``nbytes`` through the project's transport
+    (comm.Communicator over all ranks): with ``reverse_group``, a transfer to a lower rank
+    goes through it, as the attention's transfers do."""
     buf, got = torch.empty(nbytes // 4), torch.empty(nbytes // 4)
     buf.uniform_()
-    rank = dist.get_rank()
-
-    def group(src: int, dst: int):
-        return reverse_group if reverse_group is not None and dst < src else None
+    comm = Communicator(CommStats(), None, tuple(range(dist.get_world_size())), reverse_group=reverse_group)
 
     def post():
-        batches: dict = {}
-        for op, tensor, peer, src, dst in ((dist.isend, buf, send_to, rank, send_to),
-                                           (dist.irecv, got, recv_from, recv_from, rank)):
-            g = group(src, dst)
-            batches.setdefault(g, []).append(dist.P2POp(op, tensor, peer, group=g))
-        return [w for batch in batches.values() for w in dist.batch_isend_irecv(batch)]
+        return [comm.post([(buf, send_to)], [(got, recv_from)], op="calibration")]  # waited on as a list
 
     return post
 
@@ -123,7 +121,7 @@ def measure_cluster(per_node: int, nominal_mbit: float, q, k, v, dout, causal: b
     out = {}
 
     tiny = _exchange((rank + 1) % world, (rank - 1) % world, 4)
-    out["step_latency_s"] = _timed_max(_chain(lambda: [w.wait() for w in tiny()]), 7) / CHAIN
+    out["step_latency_s"] = timed_max(_chain(lambda: [w.wait() for w in tiny()]), 7) / CHAIN
 
     if per_node > 1:
         # One tiny all-to-all among the ranks of each node: what a collective call costs
@@ -132,7 +130,7 @@ def measure_cluster(per_node: int, nominal_mbit: float, q, k, v, dout, causal: b
         node_groups = [dist.new_group(list(range(n * per_node, (n + 1) * per_node))) for n in range(nodes)]
         mine = node_groups[rank // per_node]
         small_in, small_out = torch.rand(per_node), torch.empty(per_node)
-        out["collective_latency_s"] = _timed_max(
+        out["collective_latency_s"] = timed_max(
             _chain(lambda: dist.all_to_all_single(small_out, small_in, group=mine)), 7) / CHAIN
 
     message = 2 * k.numel() * k.element_size()
@@ -160,13 +158,13 @@ def measure_cluster(per_node: int, nominal_mbit: float, q, k, v, dout, causal: b
     # link between 82% and 104% of its nominal rate from one run to the next.
     inter_messages = max(1, round(nominal_mbit * 1e6 / 8 * 1.0 / per_node / message))
     if nodes > 1:
-        t_x = _timed_max(lambda: [w.wait() for w in stream("inter", inter_messages)()], 5)
+        t_x = timed_max(lambda: [w.wait() for w in stream("inter", inter_messages)()], 5)
         out["inter_node_gbs"] = per_node * inter_messages * message / t_x / 1e9
-        t_d = _timed_max(lambda: [w.wait() for w in stream("duplex", inter_messages)()], 5)
+        t_d = timed_max(lambda: [w.wait() for w in stream("duplex", inter_messages)()], 5)
         out["inter_node_duplex_gbs"] = per_node * inter_messages * message / t_d / 1e9
     if per_node > 1:
         intra_messages = 8
-        t_l = _timed_max(lambda: [w.wait() for w in stream("intra", intra_messages)()], 5)
+        t_l = timed_max(lambda: [w.wait() for w in stream("intra", intra_messages)()], 5)
         out["intra_node_gbs"] = intra_messages * message / t_l / 1e9
 
     # Block kernel on this rank's own rows, as the sub-ring steps run it: [b, h, s, d] views.
@@ -177,7 +175,7 @@ def measure_cluster(per_node: int, nominal_mbit: float, q, k, v, dout, causal: b
         o, lse = kernel.forward(qb, kb, vb, causal=False, scale=scale)
         kernel.backward(db, qb, kb, vb, o, lse, causal=False, scale=scale)
 
-    t_c = _timed_max(compute, 5)
+    t_c = timed_max(compute, 5)
     s, b, h, d = q.shape
     out["attention_tflops"] = 4 * b * h * s * s * d * 3.5 / t_c / 1e12  # forward + 2.5x backward
     if nodes > 1:
@@ -196,9 +194,9 @@ def measure_cluster(per_node: int, nominal_mbit: float, q, k, v, dout, causal: b
             for w in pending:
                 w.wait()
 
-        t_cs = _timed_max(computes, 5)
-        t_xs = _timed_max(lambda: [w.wait() for w in send()], 5)
-        t_both = _timed_max(both, 5)
+        t_cs = timed_max(computes, 5)
+        t_xs = timed_max(lambda: [w.wait() for w in send()], 5)
+        t_both = timed_max(both, 5)
         out["overlap"] = min(1.0, max(0.0, (t_cs + t_xs - t_both) / min(t_cs, t_xs)))
         out["overlap_times_s"] = {"compute": t_cs, "transfer": t_xs, "both": t_both}
     return out

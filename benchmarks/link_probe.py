@@ -30,9 +30,7 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -42,7 +40,7 @@ def worker() -> None:
     import torch  # noqa: PLC0415 - only the ranks need torch
     import torch.distributed as dist  # noqa: PLC0415
 
-    from benchmarks.calibration import inter_node_peers  # noqa: PLC0415
+    from benchmarks.calibration import inter_node_peers, timed_max  # noqa: PLC0415
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -63,17 +61,9 @@ def worker() -> None:
     for pattern in peers:
         for flows in sorted({1, per_node}):
             rounds = max(1, round(rate * 1e6 / 8 * 0.6 / (flows * message)))
-            times = []
-            for _ in range(5):
-                dist.barrier()
-                start = time.perf_counter()
-                for _ in range(rounds):
-                    one_round(pattern, flows)
-                elapsed = torch.tensor([time.perf_counter() - start])
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                times.append(elapsed.item())
+            elapsed = timed_max(lambda: [one_round(pattern, flows) for _ in range(rounds)], 5)  # noqa: B023
             out.append({"pattern": pattern, "flows": flows, "rounds": rounds,
-                        "mb_per_s": flows * message * rounds / statistics.median(times) / 1e6})
+                        "mb_per_s": flows * message * rounds / elapsed / 1e6})
     if rank == 0:
         json.dump(out, open(os.environ["OUTPUT"], "w"))
     dist.destroy_process_group()

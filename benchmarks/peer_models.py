@@ -40,18 +40,23 @@ from megatron_startrail.planner import (
 EMPTY_MESSAGE_WIRE_BYTES = 537
 
 
-def permute_overhead_s(cluster: ClusterSpec, p: int) -> float:
-    """Link time of the empty messages one ``permute_tensor`` call over ``p`` ranks sends
-    across nodes: each rank sends one to every rank other than itself and its next rank;
-    the busiest node's count, at the inter-node rate. They are posted with the payload
-    and share its link (the time they add is their bytes: 0.3-1.3 ms a call on 2 x 4,
-    about what PyTorch's all-to-all ring measured slower than the project's ring)."""
+def empty_messages_crossing(cluster: ClusterSpec, p: int) -> int:
+    """Empty messages one ``permute_tensor`` call over ``p`` ranks sends from the busiest
+    node to other nodes: each rank sends one to every rank other than itself and its next
+    rank (which gets the payload)."""
     crossing: dict[int, int] = {}
     for r in range(p):
         for q in range(p):
             if q not in (r, (r + 1) % p) and cluster.node_of(q) != cluster.node_of(r):
                 crossing[cluster.node_of(r)] = crossing.get(cluster.node_of(r), 0) + 1
-    return max(crossing.values(), default=0) * EMPTY_MESSAGE_WIRE_BYTES / (cluster.inter_node_gbs * 1e9)
+    return max(crossing.values(), default=0)
+
+
+def permute_overhead_s(cluster: ClusterSpec, p: int) -> float:
+    """Link time of those empty messages at the inter-node rate. They are posted with the
+    payload and share its link (the time they add is their bytes: 0.3-1.3 ms a call on
+    2 x 4, about what PyTorch's all-to-all ring measured slower than the project's ring)."""
+    return empty_messages_crossing(cluster, p) * EMPTY_MESSAGE_WIRE_BYTES / (cluster.inter_node_gbs * 1e9)
 
 
 def predict_torch_ring(cluster: ClusterSpec, work: Workload, cp_size: int, rotate_method: str) -> float:

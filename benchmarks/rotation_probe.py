@@ -39,14 +39,6 @@ sys.path.insert(0, os.path.dirname(HERE))
 KINDS = ("p2p", "permute")
 
 
-def empty_messages_crossing(nodes: int, per_node: int) -> int:
-    """Empty messages one ``permute_tensor`` call over all ranks sends from one node to
-    other nodes: every rank sends one to each rank of other nodes except its next rank
-    (which gets the payload)."""
-    world = nodes * per_node
-    return sum(1 for r in range(per_node) for q in range(per_node, world) if q != (r + 1) % world)
-
-
 def worker() -> None:
     import torch  # noqa: PLC0415 - only the ranks need torch
     import torch.distributed as dist  # noqa: PLC0415
@@ -106,6 +98,8 @@ def per_message(rows: list[dict], message_bytes: int, crossing: int) -> dict:
 
 def main() -> None:
     from benchmarks.netns_cluster import EmulatedCluster  # noqa: PLC0415
+    from benchmarks.peer_models import empty_messages_crossing  # noqa: PLC0415
+    from megatron_startrail.planner import ClusterSpec  # noqa: PLC0415
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nodes", type=int, default=2)
@@ -115,7 +109,7 @@ def main() -> None:
     p.add_argument("--port", type=int, default=29573)
     p.add_argument("--out", required=True, help="writes OUT.json and OUT.md")
     args = p.parse_args()
-    crossing = empty_messages_crossing(args.nodes, args.ranks_per_node)
+    crossing = empty_messages_crossing(ClusterSpec(args.nodes, args.ranks_per_node), args.nodes * args.ranks_per_node)
     runs = []
     for rate in args.rate_mbit:
         output = f"{args.out}.{rate:g}.tmp.json"

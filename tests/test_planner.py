@@ -173,14 +173,13 @@ def test_pytorch_all_gather_streams_as_gloo_pipelines_it():
 
 
 def test_empty_messages_of_a_permute_are_counted_per_node():
-    from benchmarks.peer_models import EMPTY_MESSAGE_WIRE_BYTES, permute_overhead_s  # noqa: PLC0415
-    from benchmarks.rotation_probe import empty_messages_crossing  # noqa: PLC0415
+    from benchmarks.peer_models import EMPTY_MESSAGE_WIRE_BYTES, empty_messages_crossing, permute_overhead_s  # noqa: PLC0415
 
     # 2 x 4: each of a node's 4 ranks sends to the other node's 4, less the one payload
     # (rank 3 -> 4): 15; the probe divides its measured bytes by the same count.
     for nodes, per_node, messages in ((2, 4, 15), (3, 4, 31), (4, 2, 11)):
         cluster = slow_link_cluster(nodes, per_node)
-        assert empty_messages_crossing(nodes, per_node) == messages
+        assert empty_messages_crossing(cluster, nodes * per_node) == messages
         assert permute_overhead_s(cluster, nodes * per_node) == pytest.approx(
             messages * EMPTY_MESSAGE_WIRE_BYTES / (cluster.inter_node_gbs * 1e9))
     assert permute_overhead_s(slow_link_cluster(1, 8), 8) == 0.0  # one node: nothing crosses
