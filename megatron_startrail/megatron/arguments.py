@@ -22,6 +22,7 @@ from ..groups import BACKWARD_ROTATIONS
 from ..kernels.selection import KERNELS
 from ..topology import valid_team_sizes
 from ..transfer import TRANSFERS
+from .attention_options import check_attention_options
 
 ALGOS = ("megatron", "startrail", "tasp")
 AUTO = "auto"
@@ -155,11 +156,7 @@ def validate_startrail_args(args) -> None:
             "--hierarchical-context-parallel-sizes configures Megatron's own a2a+p2p context "
             f"parallelism; with --context-parallel-algo {algo} use --ulysses-degree-in-cp U instead"
         )
-    if getattr(args, "attention_dropout", 0.0):
-        raise ValueError(
-            f"--attention-dropout {args.attention_dropout} is not supported with "
-            f"--context-parallel-algo {algo}: set --attention-dropout 0"
-        )
+    check_attention_options(args, algo)  # window, softmax type, dropout, ...: refused, never ignored
     if getattr(args, "reset_attention_mask", False):
         raise ValueError(
             f"--reset-attention-mask (a dense [s, s] document mask) is not supported with "

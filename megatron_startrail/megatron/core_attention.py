@@ -36,6 +36,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from ..attention import startrail_attn
 from ..groups import StarTrailGroups
+from .attention_options import check_attention_options
 
 # Causal masks are applied by the schedule (the mask tensor, if any, is not needed);
 # "no mask" / "padding" mean full attention and work only without an actual mask tensor.
@@ -91,14 +92,12 @@ class StarTrailCoreAttention(MegatronModule):
         super().__init__(config=config)
         if attention_type != "self":
             raise ValueError("StarTrail context parallelism supports self-attention only")
-        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
-        if dropout != 0.0:
+        check_attention_options(config)  # what would change the mask or the softmax: refused
+        if attention_dropout:
             raise ValueError(
-                f"attention dropout {dropout} is not supported with --context-parallel-algo startrail: "
+                f"attention dropout {attention_dropout} is not supported with --context-parallel-algo startrail: "
                 "set --attention-dropout 0"
             )
-        if getattr(config, "apply_query_key_layer_scaling", False):
-            raise ValueError("--apply-query-key-layer-scaling is not supported with StarTrail")
         if startrail_groups.cp_size != config.context_parallel_size:
             raise ValueError(
                 f"StarTrail groups were built for CP={startrail_groups.cp_size}, "

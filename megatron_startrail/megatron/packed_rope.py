@@ -67,7 +67,8 @@ class PackedRopeSelfAttention(SelfAttention):
         rotary_pos_emb = kwargs.get("rotary_pos_emb")
         packed_seq_params = kwargs.get("packed_seq_params")
         cp_group = self.pg_collection.cp
-        if rotary_pos_emb is None or not is_sample_layout(packed_seq_params) or cp_group.size() == 1:
+        if (rotary_pos_emb is None or not is_sample_layout(packed_seq_params) or cp_group.size() == 1
+                or self.skips_rope()):
             return super().forward(hidden_states, attention_mask, **kwargs)
         if not isinstance(rotary_pos_emb, tuple):
             rotary_pos_emb = (rotary_pos_emb, rotary_pos_emb)
@@ -80,6 +81,13 @@ class PackedRopeSelfAttention(SelfAttention):
             return super().forward(hidden_states, attention_mask, **{**kwargs, "rotary_pos_emb": None})
         finally:
             self._sample_layout_freqs = None
+
+    def skips_rope(self) -> bool:
+        """A no-RoPE layer of ``--no-rope-freq`` (Megatron drops its rotary embedding inside
+        ``Attention.forward``; rotating here would undo that). ``no_rope_freq`` is the
+        per-layer list ``TransformerConfig`` makes of the flag, 1 = no RoPE."""
+        pattern = self.config.no_rope_freq
+        return bool(pattern[self.layer_number - 1]) if pattern else False
 
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True):
         qkv = super().get_query_key_value_tensors(

@@ -120,6 +120,42 @@ def test_validation_errors_name_the_flag(monkeypatch, flags, message):
         validate_startrail_args(args)
 
 
+# Every megatron-core 0.19.2 option that changes the attention's mask or softmax and that
+# StarTrail does not implement (megatron_startrail/megatron/attention_options.py).
+UNSUPPORTED_ATTENTION_FLAGS = [
+    (["--window-size", "32,0"], "--window-size 32,0"),
+    (["--window-size", "8,8"], "--window-size 8,8"),
+    (["--window-size", "32,0", "--window-attn-skip-freq", "2"], "--window-attn-skip-freq 2"),
+    (["--softmax-type", "off-by-one"], "--softmax-type off-by-one"),
+    (["--softmax-type", "learnable"], "--softmax-type learnable"),
+    (["--apply-query-key-layer-scaling"], "--apply-query-key-layer-scaling"),
+    (["--attention-dropout", "0.1"], "--attention-dropout 0.1"),
+    (["--qk-clip"], "--qk-clip"),
+    (["--log-max-attention-logit"], "--log-max-attention-logit"),
+    (["--experimental-attention-variant", "dsa"], "--experimental-attention-variant dsa"),
+]
+
+
+@pytest.mark.parametrize("algo", ["startrail", "tasp"])
+@pytest.mark.parametrize("flags, message", UNSUPPORTED_ATTENTION_FLAGS)
+def test_attention_options_startrail_does_not_implement_are_refused(monkeypatch, algo, flags, message):
+    """Never a different attention than asked for: each option is refused with its flag."""
+    args = parse(monkeypatch, "--context-parallel-size", "4", "--context-parallel-algo", algo, *flags)
+    # qk-clip and the logit log need Transformer Engine in Megatron's own validation; ours reads the namespace
+    with pytest.raises(ValueError, match=re.escape(message)) as error:
+        validate_startrail_args(args)
+    assert f"--context-parallel-algo {algo}" in str(error.value)
+
+
+def test_attention_options_that_leave_the_attention_unchanged_are_accepted(monkeypatch):
+    """An unbounded window (-1 left; right -1 or the causal edge 0) and vanilla softmax are
+    what StarTrail computes; Megatron's own CP is not checked at all."""
+    for flags in (["--window-size=-1,0"], ["--window-size=-1,-1"], ["--softmax-type", "vanilla"]):
+        validate_startrail_args(parse(monkeypatch, "--context-parallel-size", "4", "--context-parallel-algo",
+                                      "startrail", "--startrail-team-size", "2", *flags))
+    validate_startrail_args(parse(monkeypatch, "--context-parallel-size", "4", "--window-size", "32,0"))
+
+
 def test_bad_flag_values_are_rejected_by_the_parser(monkeypatch):
     for flags in (["--startrail-team-size", "two"], ["--startrail-team-size", "0"],
                   ["--context-parallel-algo", "ring"]):

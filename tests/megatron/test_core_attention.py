@@ -2,6 +2,7 @@
 
 import functools
 import inspect
+import re
 import types
 
 import pytest
@@ -103,6 +104,25 @@ def test_constructor_errors_name_the_setting():
         StarTrailCoreAttention(config_for(2), 1, AttnMaskType.causal, startrail_groups=groups)
     with pytest.raises(ValueError, match="self-attention"):
         StarTrailCoreAttention(config_for(4), 1, AttnMaskType.causal, "cross", startrail_groups=groups)
+
+
+@pytest.mark.parametrize("field, value, flag", [
+    ("window_size", (32, 0), "--window-size 32,0"),
+    ("window_attn_skip_freq", 2, "--window-attn-skip-freq 2"),
+    ("softmax_type", "off-by-one", "--softmax-type off-by-one"),
+    ("softmax_type", "learnable", "--softmax-type learnable"),
+    ("apply_query_key_layer_scaling", True, "--apply-query-key-layer-scaling"),
+    ("qk_clip", True, "--qk-clip"),
+    ("log_max_attention_logit", True, "--log-max-attention-logit"),
+    ("experimental_attention_variant", "dsa", "--experimental-attention-variant dsa"),
+])
+def test_a_config_asking_for_another_attention_is_refused(field, value, flag):
+    """A TransformerConfig built by hand (no Megatron parser) meets the same table: the core
+    attention refuses to be built rather than compute full softmax attention."""
+    config = config_for(4)
+    object.__setattr__(config, field, value)  # set after __post_init__, which checks GPU-only variants
+    with pytest.raises(ValueError, match=re.escape(flag)):
+        StarTrailCoreAttention(config, 1, AttnMaskType.causal, startrail_groups=types.SimpleNamespace(cp_size=4))
 
 
 SEQ, BATCH, HEADS, KV_HEADS, DIM = 64, 2, 4, 2, 16

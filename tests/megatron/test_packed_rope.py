@@ -1,6 +1,8 @@
 """RoPE of packed documents in the sample layout (megatron_startrail/megatron/packed_rope.py):
 every token a CP rank holds is rotated by its per-document position, as at CP = 1."""
 
+import types
+
 import pytest
 
 from tests.megatron.utils import cpu_patches  # noqa: F401  (import shims before megatron)
@@ -88,3 +90,32 @@ def test_rotation_on_a_cp_rank_equals_rotating_the_whole_sample():
         except RuntimeError:  # document lengths not divisible by CP: Megatron's split fails
             differs = True
     assert differs
+
+
+def test_no_rope_layers_are_left_to_megatron(monkeypatch):
+    """--no-rope-freq: on a no-RoPE layer Megatron drops the rotary embedding inside
+    Attention.forward, so the sample-layout wrapper must not rotate there; on a RoPE layer
+    of the same model it does."""
+    from megatron.core.transformer.attention import SelfAttention  # noqa: PLC0415
+    from megatron.core.packed_seq_params import PackedSeqParams  # noqa: PLC0415
+
+    from megatron_startrail.megatron.packed_rope import PackedRopeSelfAttention  # noqa: PLC0415
+
+    seen = []
+    monkeypatch.setattr(SelfAttention, "forward",
+                        lambda self, hidden, mask=None, **kw: seen.append((kw["rotary_pos_emb"], self._sample_layout_freqs)))
+    cu = torch.tensor([0, 5, 16], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    table = torch.randn(16, 1, 1, 8)
+    for layer_number, rotated in ((1, True), (2, False)):
+        layer = object.__new__(PackedRopeSelfAttention)  # no parameters needed: forward is stubbed
+        for name, value in (("config", TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=2,
+                                                         no_rope_freq=[0, 1], use_cpu_initialization=True)),
+                            ("layer_number", layer_number), ("pg_collection", types.SimpleNamespace(cp=FakeCPGroup(2, 0)))):
+            object.__setattr__(layer, name, value)
+        layer.forward(torch.randn(8, 1, 16), None, rotary_pos_emb=table, packed_seq_params=params)
+        passed, freqs = seen.pop()
+        if rotated:  # the wrapper rotates (Megatron's own RoPE gets nothing)
+            assert passed is None and freqs is not None
+        else:  # Megatron's forward gets the table back, to drop it itself
+            assert passed is table and freqs is None

@@ -1,0 +1,119 @@
+"""Attention options of megatron-core 0.19.2 that StarTrail does not implement: refused.
+
+StarTrail computes exact softmax attention, causal or full, inside packed documents when
+given. An option that changes the mask or the softmax and that StarTrail ignored would
+train a different model without a word (``--window-size`` did: its losses equalled a run
+without the window). So each such option is refused, with the flag named, in two places
+that read the same table:
+
+- :func:`check_attention_options` on Megatron's parsed args (``validate_startrail_args``,
+  before any process group exists, on every rank);
+- the same function on the ``TransformerConfig`` that reaches
+  :class:`~megatron_startrail.megatron.core_attention.StarTrailCoreAttention`, for users
+  who build the config themselves.
+
+Megatron's args and ``TransformerConfig`` use the same attribute names for all of these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+def _is_full_window(window) -> bool:
+    """``(left, right)`` with -1 meaning unbounded: no window on the left, and on the right
+    either none or the causal edge (``0``) -- what StarTrail computes anyway."""
+    left, right = tuple(window)
+    return left < 0 and right <= 0
+
+
+@dataclass(frozen=True)
+class AttentionOption:
+    attribute: str  # the name on Megatron's args and on TransformerConfig
+    flag: str
+    changes_attention: Callable[[Any], bool]  # the value asks for something StarTrail does not compute
+    why: str  # what the option does that StarTrail does not
+    fix: str  # what to change
+
+
+UNSUPPORTED = (
+    AttentionOption(
+        "window_size", "--window-size",
+        lambda v: v is not None and not _is_full_window(v),
+        "sliding-window attention is not implemented by StarTrail yet (it would compute full attention)",
+        "drop --window-size (or use --context-parallel-algo megatron with Transformer Engine)",
+    ),
+    AttentionOption(
+        "window_attn_skip_freq", "--window-attn-skip-freq",
+        lambda v: v is not None,
+        "it interleaves sliding-window layers, and StarTrail has no sliding window yet",
+        "drop --window-attn-skip-freq and --window-size",
+    ),
+    AttentionOption(
+        "softmax_type", "--softmax-type",
+        lambda v: v not in (None, "vanilla"),
+        "the off-by-one / learnable softmax offset (attention sinks) is not implemented by StarTrail",
+        "use --softmax-type vanilla",
+    ),
+    AttentionOption(
+        "apply_query_key_layer_scaling", "--apply-query-key-layer-scaling",
+        bool,
+        "StarTrail scales scores by the softmax scale only, not by the layer number",
+        "drop --apply-query-key-layer-scaling",
+    ),
+    AttentionOption(
+        "attention_dropout", "--attention-dropout",
+        lambda v: bool(v),
+        "StarTrail has no dropout on the attention probabilities",
+        "set --attention-dropout 0",
+    ),
+    AttentionOption(
+        "qk_clip", "--qk-clip",
+        bool,
+        "it needs the maximum attention logit from the core attention, which StarTrail does not report",
+        "drop --qk-clip",
+    ),
+    AttentionOption(
+        "log_max_attention_logit", "--log-max-attention-logit",
+        bool,
+        "it needs the maximum attention logit from the core attention, which StarTrail does not report",
+        "drop --log-max-attention-logit",
+    ),
+    AttentionOption(
+        "experimental_attention_variant", "--experimental-attention-variant",
+        lambda v: v is not None,
+        "DSA sparse attention and gated delta-net linear attention are other attentions than softmax "
+        "attention over all keys",
+        "drop --experimental-attention-variant",
+    ),
+)
+
+
+def unsupported_attention_options(source) -> list[tuple[AttentionOption, Any]]:
+    """The options set on ``source`` (Megatron's args or a ``TransformerConfig``) that StarTrail
+    does not implement, with their values; attributes ``source`` lacks count as unset."""
+    found = []
+    for option in UNSUPPORTED:
+        value = getattr(source, option.attribute, None)
+        if value is not None and option.changes_attention(value):
+            found.append((option, value))
+    return found
+
+
+def check_attention_options(source, algo: str = "startrail") -> None:
+    """Raise ValueError naming every unsupported attention option set on ``source``."""
+    found = unsupported_attention_options(source)
+    if not found:
+        return
+    lines = [f"  {option.flag} {_shown(value)}: {option.why}; {option.fix}" for option, value in found]
+    raise ValueError(
+        f"--context-parallel-algo {algo} does not implement these attention options, and would "
+        "otherwise compute a different attention than the model asks for:\n" + "\n".join(lines)
+    )
+
+
+def _shown(value) -> str:
+    if isinstance(value, (tuple, list)):
+        return ",".join(str(v) for v in value)
+    return str(value)
