@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_startrail.comm import CommStats, Communicator
+from megatron_startrail.transport import transport_for
 from megatron_startrail.kernels import TorchCPUFlashKernel
 
 
@@ -103,7 +104,9 @@ def _exchange(send_to: int, recv_from: int, nbytes: int, reverse_group=None):
     goes through it, as the attention's transfers do."""
     buf, got = torch.empty(nbytes // 4), torch.empty(nbytes // 4)
     buf.uniform_()
-    comm = Communicator(CommStats(), None, tuple(range(dist.get_world_size())), reverse_group=reverse_group)
+    transport = transport_for({"startrail": dist.group.WORLD, "startrail_twin": reverse_group},
+                              tuple(range(dist.get_world_size())))
+    comm = Communicator(CommStats(), transport)
 
     def post():
         return [comm.post([(buf, send_to)], [(got, recv_from)], op="calibration")]  # waited on as a list

@@ -179,6 +179,7 @@ def initialize_parallel(args):
     groups = initialize_startrail(
         args.startrail_team_size, args.ulysses_degree_in_cp, order=order,
         backward_rotation=args.startrail_backward_rotation, kernel=args.startrail_kernel,
+        timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
     )
     if dist.get_rank() == 0:
         print(f"> {args.context_parallel_algo}: {groups.describe()}, transfer {args.startrail_transfer}", flush=True)

@@ -152,8 +152,7 @@ class _StarTrailAttention(torch.autograd.Function):
                 fwd_stats, bwd_stats, timeline):
         # q [n, b, h, dqk], k [n, b, hkv, dqk], v [n, b, hkv, dv]; n = len(my chunks) * L
         kernel = kernel_for(q, k, v, groups.kernel)
-        comm = Communicator(fwd_stats, groups.startrail_group, groups.startrail_global_ranks, timeline,
-                            groups.startrail_reverse_group)
+        comm = Communicator(fwd_stats, groups.transport, timeline)
         q_team, kv_init = _gather_team_and_send(comm, groups, q, k, v, gather_op="team_all_gather",
                                                 send_op="init_send")
         acc_out, acc_lse = _sub_ring_forward(comm, groups, docs, kernel, transfer, q_team, kv_init,
@@ -172,8 +171,7 @@ class _StarTrailAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         groups, docs = ctx.groups, ctx.docs
-        comm = Communicator(ctx.bwd_stats, groups.startrail_group, groups.startrail_global_ranks, ctx.timeline,
-                            groups.startrail_reverse_group)
+        comm = Communicator(ctx.bwd_stats, groups.transport, ctx.timeline)
         if ctx.regather:  # phases 1-2 again, on this rank's q, k, v
             q, k, v, out, lse = ctx.saved_tensors
             q_team, kv_init = _gather_team_and_send(comm, groups, q, k, v, gather_op="regather_team_all_gather",
@@ -321,6 +319,7 @@ def startrail_attn(
     transfer: str = "ring",
     regather_in_backward: bool = False,
     timeline: Timeline | None = None,
+    cp_group=None,
 ) -> torch.Tensor:
     """Exact softmax attention over the whole context-parallel group.
 
@@ -348,6 +347,10 @@ def startrail_attn(
 
     ``timeline`` (:class:`~megatron_startrail.timeline.Timeline`) records, forward and
     backward, the spans this rank spends blocked on each communication.
+
+    ``cp_group`` (optional): the context-parallel process group of this rank, e.g.
+    Megatron's ``pg_collection.cp``; it must hold the CP ranks the StarTrail groups were
+    built for. The packed-document agreement runs on it (default: the StarTrail groups' own).
     """
     if transfer not in TRANSFERS:
         raise ValueError(f"transfer={transfer!r} is not one of {TRANSFERS}")
@@ -358,7 +361,8 @@ def startrail_attn(
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     fwd_stats, bwd_stats = CommStats(), CommStats()
     groups.last_forward_stats, groups.last_backward_stats = fwd_stats, bwd_stats
-    docs = agree_on_documents(cu_seqlens, cu_seqlens_padded, q.shape[0], q.shape[1], groups, fwd_stats, q.device)
+    docs = agree_on_documents(cu_seqlens, cu_seqlens_padded, q.shape[0], q.shape[1], groups, fwd_stats, q.device,
+                              cp_group)
     rotation = groups.backward_rotation
     if rotation == "auto":
         shape = AttentionShape(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], q.element_size(),

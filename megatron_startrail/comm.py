@@ -10,7 +10,6 @@ all-to-all of ``N`` bytes per rank move ``(n-1)/n N``). P2P bytes are exact tens
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -55,84 +54,62 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _timed(timeline, op: str, fn):
-    """Run ``fn`` (something that blocks) and return its result; with a ``timeline``, the
-    time it blocked is recorded there under ``op``."""
-    if timeline is None:
-        return fn()
-    start = time.perf_counter()
-    result = fn()
-    timeline.add(op, start, time.perf_counter())
-    return result
-
-
 class PendingP2P:
-    """Handles of one posted batch of sends/receives; ``wait()`` completes all of them
-    (and records the time blocked in ``timeline`` under ``op``, if one is given). Until
-    then it keeps the batch's tensors alive: a caller may drop a tensor it is sending
-    (e.g. a piece of the initial send) before the transfer is done."""
+    """Works of one posted batch of sends/receives; ``wait()`` completes all of them through
+    the transport (host-blocking on gloo, a stream dependency on NCCL; the wait goes to
+    ``timeline`` under ``op``). Until then it keeps the batch's tensors alive: a caller may
+    drop a tensor it is sending (e.g. a piece of the initial send) before the transfer is done."""
 
-    def __init__(self, works: list, timeline=None, op: str = "", tensors: list | None = None) -> None:
-        self._works, self._tensors = works, tensors
+    def __init__(self, transport, works: list, timeline=None, op: str = "", tensors: list | None = None) -> None:
+        self._transport, self._works, self._tensors = transport, works, tensors
         self._timeline, self._op = timeline, op
 
     def wait(self) -> None:
         if self._works:
-            _timed(self._timeline, self._op, lambda: [w.wait() for w in self._works])
+            self._transport.wait(self._works, self._timeline, self._op)
         self._works, self._tensors = [], None
 
 
 class PendingCollective:
-    """A collective started with ``wait=False``: ``wait()`` blocks until it is done (the
-    time blocked goes to ``timeline`` under ``op``) and returns its output."""
+    """A collective started with ``wait=False``: ``wait()`` completes it through the transport
+    (recorded in ``timeline`` under ``op``) and returns its output."""
 
-    def __init__(self, work, out: torch.Tensor, timeline=None, op: str = "") -> None:
-        self._work, self._out = work, out
+    def __init__(self, transport, work, out: torch.Tensor, timeline=None, op: str = "") -> None:
+        self._transport, self._work, self._out = transport, work, out
         self._timeline, self._op = timeline, op
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
-            _timed(self._timeline, self._op, self._work.wait)
+            self._transport.wait([self._work], self._timeline, self._op)
             self._work = None
         return self._out
 
 
 class Communicator:
-    """Collectives on one group and P2P on another, recording into ``stats``.
+    """The attention's communication through one :class:`~megatron_startrail.transport.Transport`,
+    recording into ``stats``.
 
-    ``p2p_group`` is the StarTrail group; peers are given as positions in it.
-    ``reverse_group`` (optional) is a second group over the same ranks: transfers to a
-    lower position go through it, so the two directions of a rank pair use two
-    connections (see ``StarTrailGroups.startrail_reverse_group``).
-    ``timeline`` (a :class:`~megatron_startrail.timeline.Timeline`, optional) records
-    the time blocked in every collective and every P2P ``wait()``.
+    P2P peers are positions in the transport's StarTrail group; collectives name their group.
+    ``timeline`` (a :class:`~megatron_startrail.timeline.Timeline`, optional) records every
+    wait: host time on gloo, CUDA events on NCCL.
     """
 
-    def __init__(self, stats: CommStats, p2p_group, p2p_global_ranks: tuple[int, ...], timeline=None,
-                 reverse_group=None) -> None:
+    def __init__(self, stats: CommStats, transport, timeline=None) -> None:
         self.stats = stats
-        self.p2p_group = p2p_group
-        self.p2p_global_ranks = p2p_global_ranks
+        self.transport = transport
         self.timeline = timeline
-        self.reverse_group = reverse_group
-        self._position = p2p_global_ranks.index(dist.get_rank()) if reverse_group is not None else None
 
-    def _group(self, src: int, dst: int):
-        """The group carrying a transfer from position ``src`` to ``dst``."""
-        return self.reverse_group if self.reverse_group is not None and dst < src else self.p2p_group
+    def _run(self, name: str, fn, out: torch.Tensor, *args, group, wait: bool, **kwargs):
+        """Start collective ``fn`` writing ``out`` on ``group``: waited for (``wait=True``,
+        returns ``out``) or left running (returns a :class:`PendingCollective`)."""
+        pending = PendingCollective(self.transport, self.transport.collective(fn, *args, group=group, label=name,
+                                                                              **kwargs),
+                                    out, self.timeline, name)
+        return pending.wait() if wait else pending
 
-    def _run(self, name: str, fn, out: torch.Tensor, *args, wait: bool, **kwargs):
-        """Run collective ``name`` writing ``out``: blocking (``wait=True``, returns ``out``, its
-        span recorded when a timeline is on) or started (returns a :class:`PendingCollective`)."""
-        if not wait:
-            return PendingCollective(fn(*args, async_op=True, **kwargs), out, self.timeline, name)
-        _timed(self.timeline, name, lambda: fn(*args, **kwargs))
-        return out
-
-    @staticmethod
-    def _done(out: torch.Tensor, wait: bool):
+    def _done(self, out: torch.Tensor, wait: bool):
         """The result of a collective that moves nothing (a group of one)."""
-        return out if wait else PendingCollective(None, out)
+        return out if wait else PendingCollective(self.transport, None, out)
 
     # -- point to point --------------------------------------------------------------
     def post(
@@ -141,33 +118,31 @@ class Communicator:
         recvs: list[tuple[torch.Tensor, int]],
         *,
         op: str,
-        tag: int = 0,
+        channel: str = "ring",
         counts_as_step: bool = True,
     ) -> PendingP2P:
         """Post async sends ``(tensor, dst position)`` and receives ``(buffer, src position)``.
 
-        ``counts_as_step=False`` marks a transfer that runs concurrently with another
-        chain of rounds (so it adds no sequential step of its own).
+        ``channel`` is ``"ring"`` for the sub-ring's hops and ``"side"`` for what runs beside
+        them (initial send, its reverse, gradient accumulators): on NCCL they use separate
+        communicators so that they progress together. ``counts_as_step=False`` marks a
+        transfer that runs concurrently with another chain of rounds (so it adds no
+        sequential step of its own). Messages carry no tag: peers match them in posting order.
         """
-        me = self._position
-        ops: dict = defaultdict(list)  # group -> its P2P ops (a batch takes one group)
+        ranks = self.transport.p2p_ranks
         for t, peer in sends:
-            group = self._group(me, peer)
-            ops[group].append(dist.P2POp(dist.isend, t, group=group, group_peer=peer, tag=tag))
             nbytes = _nbytes(t)
             self.stats.p2p_bytes_sent += nbytes
-            self.stats.p2p_bytes_sent_to[self.p2p_global_ranks[peer]] += nbytes
+            self.stats.p2p_bytes_sent_to[ranks[peer]] += nbytes
             self.stats.bytes_sent_by_op[op] += nbytes
         for t, peer in recvs:
-            group = self._group(peer, me)
-            ops[group].append(dist.P2POp(dist.irecv, t, group=group, group_peer=peer, tag=tag))
             nbytes = _nbytes(t)
             self.stats.p2p_bytes_recv += nbytes
-            self.stats.p2p_bytes_recv_from[self.p2p_global_ranks[peer]] += nbytes
-        if ops and counts_as_step:
+            self.stats.p2p_bytes_recv_from[ranks[peer]] += nbytes
+        if (sends or recvs) and counts_as_step:
             self.stats.p2p_steps += 1
-        works = [w for batch in ops.values() for w in dist.batch_isend_irecv(batch)]
-        return PendingP2P(works, self.timeline, op, tensors=[t for t, _ in sends + recvs])
+        works = self.transport.post(sends, recvs, channel=channel, label=op) if sends or recvs else []
+        return PendingP2P(self.transport, works, self.timeline, op, tensors=[t for t, _ in sends + recvs])
 
     # -- collectives -----------------------------------------------------------------
     def _count_collective(self, op: str, moved: int) -> None:

@@ -19,15 +19,17 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass, field
-
-import torch
+from typing import Callable
 
 import torch.distributed as dist
 
+from . import nccl_rules
 from .comm import CommStats
 from .kernels.selection import KERNELS
 from .layout import startrail_position_chunks
+from .microbatch import MicroBatchCache
 from .topology import StarTrailTopology, check_team_size
+from .transport import ROLES, Transport, transport_for
 
 BACKWARD_ROTATIONS = ("auto", "q", "kv")
 
@@ -66,13 +68,17 @@ class StarTrailGroups:
     startrail_global_ranks: tuple[int, ...]
     startrail_group: object
     team_group: object | None  # None when C == 1
-    # A second group over the same StarTrail ranks, carrying the P2P transfers to a lower
-    # position (gloo only, else None): gloo runs both directions of a rank pair on one TCP
-    # connection, and there a single message each way -- a pair exchange -- serialises
-    # (benchmarks/burst_probe.py: 3.4 MB/s on one connection, 6.4 on two, at 50 Mbit/s).
-    startrail_reverse_group: object | None = None
+    # A second group over the same StarTrail ranks (see megatron_startrail.transport): on
+    # gloo it carries the transfers to a lower position (their own TCP connection); on NCCL
+    # the side channel (initial send, its reverse, gradient accumulators), so that they
+    # progress beside the sub-ring's hops instead of queueing behind them.
+    startrail_twin_group: object | None = None
+    cp_group: object | None = None  # this rank's whole CP group (the packed-document agreement)
+    transport: Transport | None = field(default=None, repr=False)  # every message of the attention
     backward_rotation: str = "auto"
     kernel: str = "auto"
+    # Per-micro-batch packed-document metadata, shared by every layer (megatron_startrail.documents).
+    documents_cache: MicroBatchCache | None = field(default=None, repr=False)
     last_forward_stats: CommStats | None = field(default=None, repr=False)
     last_backward_stats: CommStats | None = field(default=None, repr=False)
 
@@ -96,16 +102,9 @@ class StarTrailGroups:
         )
 
 
-def default_group_timeout() -> datetime.timedelta | None:
-    """The default process group's timeout (what ``init_process_group`` was given), or None
-    (torch's default for new groups) where the backend does not expose it."""
-    world = dist.group.WORLD
-    for device in (torch.device("cpu"), torch.device("cuda")):
-        try:
-            return world._get_backend(device).options._timeout
-        except (AttributeError, RuntimeError):
-            continue
-    return None
+def torch_new_group(ranks: list[int], *, timeout, group_desc: str):
+    """torch's group creation; Megatron passes its own ``parallel_state.create_group``."""
+    return dist.new_group(ranks, timeout=timeout, group_desc=group_desc)
 
 
 def new_startrail_groups(
@@ -116,18 +115,23 @@ def new_startrail_groups(
     backward_rotation: str = "auto",
     kernel: str = "auto",
     timeout: datetime.timedelta | None = None,
+    create_group: Callable = torch_new_group,
+    eager_init: bool = True,
 ) -> StarTrailGroups:
     """Create the StarTrail groups of every CP group; collective on every rank.
 
     ``cp_ranks`` lists every CP group's global ranks (each rank in exactly one); ``None``
     means one CP group made of all ranks of the default process group. All validation
-    happens before the first ``new_group`` call, so a bad setting raises on every rank
+    happens before the first group is created, so a bad setting raises on every rank
     instead of leaving some ranks waiting.
 
     ``timeout`` bounds every collective and P2P on these groups (a dead or stuck peer makes
-    the others raise after it); ``None`` takes the default process group's timeout, i.e.
-    Megatron's ``--distributed-timeout-minutes``, where torch would give a new group its
-    own 30-minute default.
+    the others raise after it); ``None`` is torch's default for new groups. Megatron runs
+    pass ``--distributed-timeout-minutes`` (``initialize_startrail`` does).
+    ``create_group(ranks, timeout=, group_desc=)`` makes one group (Megatron:
+    ``parallel_state.create_group`` with its NCCL options). ``eager_init`` runs one
+    collective on every group before its first P2P, as NCCL requires (switch it off only
+    to show what the NCCL-rules mode catches).
     """
     if not dist.is_initialized():
         raise RuntimeError("new_startrail_groups needs torch.distributed to be initialized")
@@ -147,45 +151,52 @@ def new_startrail_groups(
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r} (--startrail-kernel) is not one of {KERNELS}")
     plans = [plan_cp_group(g, team_size, ulysses_size) for g in cp_ranks]
-    if timeout is None:
-        timeout = default_group_timeout()
 
-    def create(rank_lists: list[list[int]]) -> object | None:
+    def create(rank_lists: list[list[int]], role: str) -> object | None:
+        """Every group of ``role`` (collective), returning this rank's."""
         mine = None
         for ranks in rank_lists:
-            pg = dist.new_group(ranks, timeout=timeout)
+            pg = create_group(ranks, timeout=timeout, group_desc=f"STARTRAIL_{role.upper()}")
             if rank in ranks:
                 mine = pg
         return mine
 
-    # NCCL runs the two directions of a pair on their own channels; gloo needs a second group.
-    split_directions = dist.get_backend() == "gloo"
-    ulysses_group = startrail_group = team_group = reverse_group = None
-    for plan in plans:
-        if ulysses_size > 1:
-            ulysses_group = create(plan["ulysses"]) or ulysses_group
-        startrail_group = create(plan["startrail"]) or startrail_group
-        if split_directions:
-            reverse_group = create(plan["startrail"]) or reverse_group
-        if team_size > 1:
-            team_group = create(plan["teams"]) or team_group
+    mine: dict[str, object | None] = dict.fromkeys(ROLES)
+    for plan, cp in zip(plans, cp_ranks):
+        built = {"ulysses": create(plan["ulysses"], "ulysses") if ulysses_size > 1 else None,
+                 "startrail": create(plan["startrail"], "startrail"),
+                 "startrail_twin": create(plan["startrail"], "startrail_twin"),
+                 "team": create(plan["teams"], "team") if team_size > 1 else None,
+                 "cp": create([cp], "cp")}
+        if rank in cp:
+            mine = built
 
     my_cp = next(g for g in cp_ranks if rank in g)
     cp_rank = my_cp.index(rank)
     st_rank, u_rank = divmod(cp_rank, ulysses_size)
     st_ranks = tuple(my_cp[s * ulysses_size + u_rank] for s in range(len(my_cp) // ulysses_size))
+    audit = None
+    if nccl_rules.enabled():
+        audit = nccl_rules.RuleAudit({role: tuple(dist.get_process_group_ranks(g))
+                                      for role, g in mine.items() if g is not None})
+    transport = transport_for(mine, st_ranks, audit)
+    if eager_init:
+        transport.initialize()
     return StarTrailGroups(
         topology=StarTrailTopology(len(st_ranks), team_size),
         cp_global_ranks=tuple(my_cp),
         cp_rank=cp_rank,
         ulysses_size=ulysses_size,
         ulysses_rank=u_rank,
-        ulysses_group=ulysses_group,
+        ulysses_group=mine["ulysses"],
         startrail_rank=st_rank,
         startrail_global_ranks=st_ranks,
-        startrail_group=startrail_group,
-        team_group=team_group,
-        startrail_reverse_group=reverse_group,
+        startrail_group=mine["startrail"],
+        team_group=mine["team"],
+        startrail_twin_group=mine["startrail_twin"],
+        cp_group=mine["cp"],
+        transport=transport,
+        documents_cache=MicroBatchCache(),
         backward_rotation=backward_rotation,
         kernel=kernel,
     )

@@ -53,7 +53,7 @@ def post_initial_send(comm: Communicator, topo: StarTrailTopology, pos: int, kv_
     kv_init = torch.empty_like(kv_team)
     bounds = split_rows(kv_team.shape[0], c)
     landed = [
-        comm.post([(kv_team[a:b], dst)], [(kv_init[a:b], src)], op=op, counts_as_step=j == 0)
+        comm.post([(kv_team[a:b], dst)], [(kv_init[a:b], src)], op=op, channel="side", counts_as_step=j == 0)
         for j, (a, b) in enumerate(bounds)
     ]
     return PieceTransfer(kv_init, bounds, landed)
@@ -76,7 +76,7 @@ class ReverseInitialSend:
             return
         a, b = self._bounds[j]
         self._posted[j] = self._comm.post([(self._dkv[a:b], self._src)], [(self._back[a:b], self._dst)],
-                                          op=self._op, counts_as_step=not self._posted)
+                                          op=self._op, channel="side", counts_as_step=not self._posted)
 
     def wait(self) -> torch.Tensor:
         for j in range(len(self._bounds)):

@@ -42,9 +42,6 @@ import torch
 
 from .comm import Communicator, PendingP2P
 
-PAYLOAD_TAG = 11
-ACCUMULATOR_TAG = 12
-
 Payloads = Sequence[Sequence[torch.Tensor]]  # per lane, a list of tensors
 
 
@@ -85,12 +82,14 @@ def _rows(payloads: Payloads, rows: Sequence[tuple[int, int]]) -> list[list[torc
     return [[t[a:b] for t in ts] for ts, (a, b) in zip(payloads, rows)]
 
 
-def _exchange(comm, lanes, position, tensors, incoming, *, op, tag, counts_as_step) -> PendingP2P:
+def _exchange(comm, lanes, position, tensors, incoming, *, op, channel, counts_as_step) -> PendingP2P:
     """Post every lane's send of ``tensors`` to next and receive of ``incoming`` from prev
-    (empty tensors skipped: both sides of a hop cut the payload the same way)."""
+    (empty tensors skipped: both sides of a hop cut the payload the same way). No tags:
+    every position runs this same program, so a pair's sends and receives are posted in
+    the same order (what NCCL matches by; see :mod:`megatron_startrail.transport`)."""
     sends = [(t, lane.next(position)) for lane, ts in zip(lanes, tensors) for t in ts if t.numel()]
     recvs = [(t, lane.prev(position)) for lane, ts in zip(lanes, incoming) for t in ts if t.numel()]
-    return comm.post(sends, recvs, op=op, tag=tag, counts_as_step=counts_as_step)
+    return comm.post(sends, recvs, op=op, channel=channel, counts_as_step=counts_as_step)
 
 
 def _join(contribs: list[Payloads]) -> list[list[torch.Tensor]]:
@@ -139,7 +138,7 @@ def rotate(
                 # The pieces of one hop are one round. With accumulators the gradient chain
                 # sets the pace; the payload transfer overlaps it and adds no step of its own.
                 hops.append(_exchange(comm, lanes, position, held, _rows(incoming, piece.rows), op=op,
-                                      tag=PAYLOAD_TAG, counts_as_step=index == 0 and not accumulate))
+                                      channel="ring", counts_as_step=index == 0 and not accumulate))
             contribs.append(compute(step, held, piece.rows))
         if accumulate:
             contrib = _join(contribs)
@@ -151,7 +150,7 @@ def rotate(
             if steps > 1:
                 acc_in = [[torch.empty_like(c) for c in lane_c] for lane_c in contrib]
                 acc_pending = _exchange(comm, lanes, position, contrib, acc_in, op=op + "_grad",
-                                        tag=ACCUMULATOR_TAG, counts_as_step=True)
+                                        channel="side", counts_as_step=True)
                 home = acc_in
             else:
                 home = contrib

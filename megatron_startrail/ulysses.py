@@ -40,16 +40,18 @@ class _UlyssesExchange(torch.autograd.Function):
     """Sequence gather (``to_sequence=True``) or scatter; the backward is the other one."""
 
     @staticmethod
-    def forward(ctx, x, group, u, to_sequence, fwd_stats, bwd_stats, timeline):
-        ctx.group, ctx.u, ctx.to_sequence, ctx.bwd_stats, ctx.timeline = group, u, to_sequence, bwd_stats, timeline
-        comm = Communicator(fwd_stats, None, (), timeline)
-        return (_seq_gather if to_sequence else _seq_scatter)(x.contiguous(), comm, group, u)
+    def forward(ctx, x, groups, to_sequence, fwd_stats, bwd_stats, timeline):
+        ctx.groups, ctx.to_sequence, ctx.bwd_stats, ctx.timeline = groups, to_sequence, bwd_stats, timeline
+        comm = Communicator(fwd_stats, groups.transport, timeline)
+        exchange = _seq_gather if to_sequence else _seq_scatter
+        return exchange(x.contiguous(), comm, groups.ulysses_group, groups.ulysses_size)
 
     @staticmethod
     def backward(ctx, grad):
-        comm = Communicator(ctx.bwd_stats, None, (), ctx.timeline)
+        groups = ctx.groups
+        comm = Communicator(ctx.bwd_stats, groups.transport, ctx.timeline)
         back = _seq_scatter if ctx.to_sequence else _seq_gather
-        return back(grad.contiguous(), comm, ctx.group, ctx.u), None, None, None, None, None, None
+        return back(grad.contiguous(), comm, groups.ulysses_group, groups.ulysses_size), None, None, None, None, None
 
 
 def gather_sequence(q, k, v, groups, fwd_stats: CommStats, bwd_stats: CommStats, timeline=None):
@@ -60,11 +62,10 @@ def gather_sequence(q, k, v, groups, fwd_stats: CommStats, bwd_stats: CommStats,
         k = k.repeat_interleave(u // kv_heads, dim=2)
         v = v.repeat_interleave(u // kv_heads, dim=2)
     return tuple(
-        _UlyssesExchange.apply(t, groups.ulysses_group, u, True, fwd_stats, bwd_stats, timeline) for t in (q, k, v)
+        _UlyssesExchange.apply(t, groups, True, fwd_stats, bwd_stats, timeline) for t in (q, k, v)
     )
 
 
 def scatter_sequence(out, groups, fwd_stats: CommStats, bwd_stats: CommStats, timeline=None):
     """Ulysses all-to-all of the attention output back to the CP layout."""
-    return _UlyssesExchange.apply(out, groups.ulysses_group, groups.ulysses_size, False, fwd_stats, bwd_stats,
-                                  timeline)
+    return _UlyssesExchange.apply(out, groups, False, fwd_stats, bwd_stats, timeline)

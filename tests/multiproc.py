@@ -13,6 +13,10 @@ Usage::
 (backend gloo). Any exception on any rank fails the call with that rank's traceback.
 Workers should build their own inputs from a seed (the parent does no torch work, so
 forking never copies a live OpenMP thread pool into the children).
+
+In NCCL-rules mode (``STARTRAIL_CHECK_NCCL_RULES=1``, which tests/conftest.py sets for the
+whole suite) every run that finishes on all ranks is then checked against NCCL's rules
+(:mod:`megatron_startrail.nccl_rules`): a violation fails the test like an exception.
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from megatron_startrail import nccl_rules
 
 # Collective timeout inside the ranks: a mismatch raises instead of hanging.
 PG_TIMEOUT_S = float(os.environ.get("STARTRAIL_TEST_PG_TIMEOUT", "60"))
@@ -45,7 +52,12 @@ def _child(fn, rank, world_size, init_file, args, kwargs, conn):
             world_size=world_size,
             timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
         )
-        result = ("ok", fn(rank, world_size, *args, **kwargs))
+        # Groups made without a timeout (torch's default: 30 minutes) get the test's.
+        c10d.default_pg_timeout = datetime.timedelta(seconds=PG_TIMEOUT_S)
+        value = fn(rank, world_size, *args, **kwargs)
+        if nccl_rules.enabled():  # every rank finished: check the run against NCCL's rules
+            nccl_rules.verify_across_ranks()
+        result = ("ok", value)
     except BaseException:  # noqa: BLE001 - report everything to the parent
         result = ("error", traceback.format_exc())
     try:

@@ -72,6 +72,8 @@ def test_cpu_selfcheck_runs_every_part(tmp_path):
     for p, c in ((4, 1), (4, 2)):
         assert f"| {p} | {c} | 256 | 64 | 2 x 16 | fp32 | torch_cpu_flash |" in text  # one-rank run
     assert "Efficiency at C = 2:" in text
+    for check in ("transport of the backend", "self exchange"):  # part 4, on gloo here
+        assert f"| {check} | ok |" in text
 
 
 def test_a_part_that_raises_is_reported_and_fails_the_run(monkeypatch, tmp_path):

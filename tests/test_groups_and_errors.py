@@ -31,22 +31,30 @@ def multi_group_worker(rank, world_size, cp_groups, team_size, ulysses_size):
     errors = [relative_error(g, local_rows(r, groups.cp_rank, cp)) for g, r in zip((out, q.grad, k.grad, v.grad), ref)]
     # P2P stays inside this rank's CP group.
     peers = set(groups.last_forward_stats.p2p_bytes_sent_to) | set(groups.last_backward_stats.p2p_bytes_sent_to)
-    # On gloo, transfers to a lower position go through a second group over the same ranks.
-    reverse = groups.startrail_reverse_group
-    assert reverse is not None and reverse is not groups.startrail_group
-    assert dist.get_process_group_ranks(reverse) == dist.get_process_group_ranks(groups.startrail_group)
+    # A twin group over the same ranks (on gloo: transfers to a lower position go through it).
+    twin = groups.startrail_twin_group
+    assert twin is not None and twin is not groups.startrail_group
+    assert dist.get_process_group_ranks(twin) == dist.get_process_group_ranks(groups.startrail_group)
     return max(errors), peers <= set(cp_groups[index])
 
 
-def test_transfers_to_a_lower_position_take_the_reverse_group():
-    from megatron_startrail.comm import CommStats, Communicator  # noqa: PLC0415
+def test_each_backend_routes_transfers_to_its_twin_group_by_its_own_rule():
+    """gloo: by direction (a transfer to a lower position gets its own TCP connection);
+    NCCL: by channel (the side channel on its own communicator, beside the sub-ring's hops)."""
+    from megatron_startrail.transport import GlooTransport, NcclTransport  # noqa: PLC0415
 
-    comm = Communicator(CommStats(), "forward group", (10, 11, 12))
-    assert comm._group(0, 2) == comm._group(2, 0) == "forward group"  # no reverse group: one for all
-    comm.reverse_group = "reverse group"
-    assert comm._group(0, 2) == "forward group"
-    assert comm._group(2, 0) == "reverse group"
-    assert comm._group(1, 2) == "forward group"
+    groups = {"startrail": "main group", "startrail_twin": "twin group"}
+    gloo, nccl = (cls.__new__(cls) for cls in (GlooTransport, NcclTransport))
+    for transport in (gloo, nccl):
+        transport.groups = groups
+    for channel in ("ring", "side"):
+        assert gloo.p2p_group(0, 2, channel) == "main group"
+        assert gloo.p2p_group(2, 0, channel) == "twin group"
+    for src, dst in ((0, 2), (2, 0)):
+        assert nccl.p2p_group(src, dst, "ring") == "main group"
+        assert nccl.p2p_group(src, dst, "side") == "twin group"
+    gloo.groups = {"startrail": "main group", "startrail_twin": None}  # no twin: one group for all
+    assert gloo.p2p_group(2, 0, "ring") == "main group"
 
 
 def test_megatron_style_strided_cp_groups():

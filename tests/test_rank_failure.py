@@ -1,9 +1,10 @@
 """A rank that dies (SIGKILL) or stops answering in the middle of StarTrail attention makes
 every other rank raise within the process-group timeout instead of hanging.
 
-The StarTrail groups take the default group's timeout (Megatron's
-``--distributed-timeout-minutes``); torch would otherwise give each new group a 30-minute
-default, and a stuck peer would hold the job for half an hour.
+The StarTrail groups take the timeout they are given (Megatron's
+``--distributed-timeout-minutes``, which ``initialize_startrail`` passes); torch would
+otherwise give each new group a 30-minute default, and a stuck peer would hold the job for
+half an hour.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def _rank(rank, init_file, mode, conn):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
-    groups = new_startrail_groups(team_size=2)  # CP 4 = 2 teams of 2
+    groups = new_startrail_groups(team_size=2, timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))  # 2 teams of 2
     timeouts = [g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
                 for g in (groups.startrail_group, groups.team_group)]
     for step in range(2):

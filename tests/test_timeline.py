@@ -7,13 +7,20 @@ import torch
 import torch.distributed as dist
 
 from megatron_startrail.comm import CommStats, Communicator
+from megatron_startrail.transport import transport_for
 from megatron_startrail.timeline import PHASES, Timeline, phase_of
 from tests.multiproc import run_ranks
 
 
+def world_transport(world_size):
+    """The transport of one StarTrail group of all ranks, made directly on the default group."""
+    return transport_for({"startrail": dist.group.WORLD}, tuple(range(world_size)))
+
+
 def comm_worker(rank, world_size):
     timeline = Timeline()
-    comm = Communicator(CommStats(), dist.group.WORLD, tuple(range(world_size)), timeline)
+    transport = world_transport(world_size)
+    comm = Communicator(CommStats(), transport, timeline)
     x = torch.randn(3, 2, generator=torch.Generator().manual_seed(rank))
     start = time.perf_counter()
     gathered = comm.all_gather(x, dist.group.WORLD, world_size, op="team_all_gather")
@@ -23,7 +30,7 @@ def comm_worker(rank, world_size):
     comm.post([(x, (rank + 1) % world_size)], [(got, (rank - 1) % world_size)], op="init_send").wait()
     comm.reduce_scatter(gathered, dist.group.WORLD, world_size, op="team_reduce_scatter")
     end = time.perf_counter()
-    untimed = Communicator(CommStats(), dist.group.WORLD, tuple(range(world_size)))
+    untimed = Communicator(CommStats(), transport)
     untimed.all_gather(x, dist.group.WORLD, world_size, op="team_all_gather")
     return [op for op, _, _ in timeline.spans], timeline.phase_seconds(start, end), end - start
 
@@ -65,7 +72,8 @@ def async_worker(rank, world_size):
     group, ranks = dist.group.WORLD, tuple(range(world_size))
     x = torch.randn(4, 3, generator=torch.Generator().manual_seed(rank))
     sync_stats, async_stats, timeline = CommStats(), CommStats(), Timeline()
-    sync, started = Communicator(sync_stats, group, ranks), Communicator(async_stats, group, ranks, timeline)
+    transport = world_transport(world_size)
+    sync, started = Communicator(sync_stats, transport), Communicator(async_stats, transport, timeline)
     want = [sync.all_gather(x, group, world_size, op="g"), sync.all_to_all(x, group, world_size, op="a"),
             sync.reduce_scatter(x, group, world_size, op="r")]
     pending = [started.all_gather(x, group, world_size, op="g", wait=False),

@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
@@ -103,6 +104,17 @@ class StarTrailCoreAttention(MegatronModule):
                 f"StarTrail groups were built for CP={startrail_groups.cp_size}, "
                 f"but --context-parallel-size is {config.context_parallel_size}"
             )
+        # Megatron hands modules their process groups in pg_collection: the CP group there must
+        # be the one the StarTrail groups were built in, and the packed-document check runs on it.
+        self.cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+        if self.cp_group is not None:
+            cp_ranks = tuple(dist.get_process_group_ranks(self.cp_group))
+            if cp_ranks != tuple(startrail_groups.cp_global_ranks):
+                raise ValueError(
+                    f"pg_collection.cp holds ranks {list(cp_ranks)}, but the StarTrail groups were built for the "
+                    f"CP group {list(startrail_groups.cp_global_ranks)}: build them with initialize_startrail "
+                    "after the parallel state that made pg_collection (same --context-parallel-size and order)"
+                )
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         head_dim = k_channels or config.kv_channels
@@ -147,7 +159,7 @@ class StarTrailCoreAttention(MegatronModule):
             query, key, value, self.startrail_groups,
             causal=causal, softmax_scale=self.softmax_scale, transfer=self.transfer,
             cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded,
-            regather_in_backward=self.regather_in_backward,
+            regather_in_backward=self.regather_in_backward, cp_group=self.cp_group,
         )
         # [s/CP, b, np, hv] -> [s/CP, b, np * hv]   (THD: -> [t/CP, np * hv])
         return out.reshape(*out.shape[:-2], -1)

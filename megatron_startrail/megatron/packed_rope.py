@@ -25,15 +25,18 @@ from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_e
 from megatron.core.transformer.attention import SelfAttention
 
 
-def sample_layout_positions(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+def sample_layout_positions(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int,
+                            total: int | None = None) -> torch.Tensor:
     """Per-document positions of the tokens CP rank ``cp_rank`` holds in the sample layout.
 
     ``cu_seqlens``: int32 ``[n_docs + 1]``, global, ``cu_seqlens[-1] = S`` (a multiple of
     2*CP). Returns int64 ``[S / CP]``: chunk ``cp_rank`` then chunk ``2*CP-1-cp_rank``.
     E.g. cu_seqlens [0, 3, 8], CP 2, rank 0 holds tokens [0, 1, 6, 7] -> positions [0, 1, 3, 4].
+    ``total`` = S when the caller knows it from a shape (no host sync); else it is read
+    from ``cu_seqlens[-1]`` (one host sync). The attention's agreement checks the two match.
     """
     cu_seqlens = cu_seqlens.to(torch.int64)
-    total = int(cu_seqlens[-1])
+    total = int(cu_seqlens[-1]) if total is None else total
     if total % (2 * cp_size) != 0:
         raise ValueError(
             f"packed sample of {total} tokens is not divisible by 2 * --context-parallel-size = {2 * cp_size}"
@@ -72,8 +75,10 @@ class PackedRopeSelfAttention(SelfAttention):
             return super().forward(hidden_states, attention_mask, **kwargs)
         if not isinstance(rotary_pos_emb, tuple):
             rotary_pos_emb = (rotary_pos_emb, rotary_pos_emb)
-        positions_q = sample_layout_positions(packed_seq_params.cu_seqlens_q, cp_group.size(), cp_group.rank())
-        positions_kv = sample_layout_positions(packed_seq_params.cu_seqlens_kv, cp_group.size(), cp_group.rank())
+        # hidden_states [t/CP, 1, hidden]: the sample holds t = t/CP * CP tokens (no host sync).
+        total = hidden_states.shape[0] * cp_group.size()
+        positions_q, positions_kv = (self._positions(cu, cp_group, total) for cu in
+                                     (packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv))
         # GPTModel gives the table of positions 0..max_seqlen-1, [max_seqlen, 1, 1, d]
         # (not cut for CP when packed); pick the row of every held token: [s/CP, 1, 1, d].
         self._sample_layout_freqs = (rotary_pos_emb[0][positions_q], rotary_pos_emb[1][positions_kv])
@@ -81,6 +86,18 @@ class PackedRopeSelfAttention(SelfAttention):
             return super().forward(hidden_states, attention_mask, **{**kwargs, "rotary_pos_emb": None})
         finally:
             self._sample_layout_freqs = None
+
+    def _positions(self, cu_seqlens: torch.Tensor, cp_group, total: int) -> torch.Tensor:
+        """This rank's per-document positions: once per micro-batch, in the StarTrail groups'
+        :class:`~megatron_startrail.microbatch.MicroBatchCache` that every layer shares (found
+        through this layer's StarTrail core attention)."""
+        def compute():
+            return sample_layout_positions(cu_seqlens, cp_group.size(), cp_group.rank(), total)
+
+        groups = getattr(getattr(self, "core_attention", None), "startrail_groups", None)
+        if groups is None or groups.documents_cache is None:
+            return compute()
+        return groups.documents_cache.get("rope_positions", (cu_seqlens,), (total, cp_group.rank()), compute)
 
     def skips_rope(self) -> bool:
         """A no-RoPE layer of ``--no-rope-freq`` (Megatron drops its rotary embedding inside

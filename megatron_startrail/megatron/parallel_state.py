@@ -13,6 +13,9 @@ pass that creates every group on every rank in the same order.
 
 from __future__ import annotations
 
+import datetime
+import functools
+
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.parallel_state import RankGenerator
@@ -39,12 +42,22 @@ def context_parallel_groups(
 
 
 def initialize_startrail(
-    team_size: int, ulysses_size: int = 1, *, order: str = DEFAULT_ORDER, **options
+    team_size: int,
+    ulysses_size: int = 1,
+    *,
+    order: str = DEFAULT_ORDER,
+    timeout: datetime.timedelta | None = None,
+    nccl_comm_cfgs: dict | None = None,
+    **options,
 ) -> StarTrailGroups:
     """Build the StarTrail groups of every CP group; collective, once per process.
 
     ``order`` must be the one given to ``initialize_model_parallel`` (Megatron's default,
-    or ``tp-cp-ep-pp-dp`` with ``--use-tp-pp-dp-mapping``). ``options`` go to
+    or ``tp-cp-ep-pp-dp`` with ``--use-tp-pp-dp-mapping``). Groups are made the way
+    Megatron makes its own: ``parallel_state.create_group`` with ``timeout`` (pass
+    ``--distributed-timeout-minutes`` as a ``timedelta``), a group description
+    (``STARTRAIL_<ROLE>``) and, on NCCL, the ``"cp"`` entry of ``nccl_comm_cfgs`` (the
+    parsed ``--nccl-communicator-config-path``) as ``pg_options``. ``options`` go to
     :func:`megatron_startrail.new_startrail_groups` (``backward_rotation``, ``kernel``).
     """
     if not parallel_state.model_parallel_is_initialized():
@@ -64,6 +77,11 @@ def initialize_startrail(
             f"Megatron's CP group of rank {dist.get_rank()} is {mine}, not one of the CP groups of "
             f"order {order!r}: pass the order given to initialize_model_parallel"
         )
-    groups = new_startrail_groups(cp_groups, team_size=team_size, ulysses_size=ulysses_size, **options)
+    pg_options = None
+    if dist.get_backend() == "nccl":  # StarTrail's groups live inside the CP groups: their NCCL settings
+        pg_options = parallel_state.get_nccl_options("cp", nccl_comm_cfgs or {})
+    create_group = functools.partial(parallel_state.create_group, pg_options=pg_options)
+    groups = new_startrail_groups(cp_groups, team_size=team_size, ulysses_size=ulysses_size, timeout=timeout,
+                                  create_group=create_group, **options)
     assert groups.cp_rank == parallel_state.get_context_parallel_rank()
     return groups

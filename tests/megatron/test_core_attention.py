@@ -12,11 +12,13 @@ from tests.megatron.utils import Utils, parallel_state
 from tests.multiproc import run_ranks
 
 from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
+from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.transformer.dot_product_attention import DotProductAttention  # noqa: E402
 from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
+from megatron_startrail.documents import CHECK_OP  # noqa: E402
 from megatron_startrail.megatron.core_attention import StarTrailCoreAttention  # noqa: E402
 from megatron_startrail.megatron.layer_specs import to_startrail_spec  # noqa: E402
 from megatron_startrail.megatron.parallel_state import initialize_startrail  # noqa: E402
@@ -179,15 +181,22 @@ def test_core_attention_is_exact_on_megatrons_cp_shards(mask_type, team_size, ul
         assert max(errors) < 1e-5, errors
 
 
-def packed_worker(rank, world_size, team_size, ulysses, layout):
-    """THD input with Megatron's PackedSeqParams, against float64 per-document attention."""
+def packed_worker(rank, world_size, team_size, ulysses, layout, with_pg_collection=False):
+    """THD input with Megatron's PackedSeqParams, against float64 per-document attention;
+    ``with_pg_collection``: the core attention is handed Megatron's ProcessGroupCollection."""
     Utils.initialize_model_parallel(context_parallel_size=world_size)
     groups = initialize_startrail(team_size, ulysses)
     config = TransformerConfig(num_layers=1, hidden_size=HEADS * DIM, num_attention_heads=HEADS,
                                num_query_groups=KV_HEADS, context_parallel_size=world_size,
                                attention_dropout=0.0, use_cpu_initialization=True)
+    pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"]) \
+        if with_pg_collection else None
     core = StarTrailCoreAttention(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal,
-                                  attention_type="self", startrail_groups=groups)
+                                  attention_type="self", startrail_groups=groups, pg_collection=pg_collection)
+    checked_on = []  # the group of every packed-document check collective
+    start = groups.transport.collective
+    groups.transport.collective = lambda fn, *a, group, label, **kw: (
+        checked_on.append(group) if label == CHECK_OP else None, start(fn, *a, group=group, label=label, **kw))[1]
     cu, padded = make_documents(world_size, 4, layout, seed=11)
     doc = document_of_positions(cu, padded)
     gen = torch.Generator().manual_seed(8)
@@ -206,15 +215,46 @@ def packed_worker(rank, world_size, team_size, ulysses, layout):
     errors = [(g.double() - r[mine, 0]).abs().max().item() for g, r in zip(got, ref)]
     padding = doc[mine] == PAD
     pad_nonzero = sum(int(g[padding].count_nonzero()) for g in got)
+    megatron_cp = parallel_state.get_context_parallel_group()
+    check_groups = ["megatron cp" if g is megatron_cp else "startrail cp" if g is groups.cp_group else "other"
+                    for g in checked_on]
     Utils.destroy_model_parallel()
-    return tuple(out.shape), len(mine), errors, pad_nonzero
+    return tuple(out.shape), len(mine), errors, pad_nonzero, check_groups
+
+
+def test_core_attention_uses_the_cp_group_of_the_pg_collection_it_is_handed():
+    """Megatron passes modules a pg_collection: its CP group carries the document check (one
+    collective per micro-batch); without one, the StarTrail groups' own CP group does."""
+    for with_pgs, want in ((True, "megatron cp"), (False, "startrail cp")):
+        for _, _, errors, _, check_groups in run_ranks(packed_worker, 4, args=(2, 1, "sample", with_pgs),
+                                                        timeout=120):
+            assert max(errors) < 1e-5 and check_groups == [want]
+
+
+def mismatched_pg_collection_worker(rank, world_size):
+    Utils.initialize_model_parallel(context_parallel_size=world_size)
+    groups = initialize_startrail(2)
+    config = TransformerConfig(num_layers=1, hidden_size=HEADS * DIM, num_attention_heads=HEADS,
+                               context_parallel_size=world_size, attention_dropout=0.0, use_cpu_initialization=True)
+    wrong = types.SimpleNamespace(cp=parallel_state.get_tensor_model_parallel_group())  # ranks [rank] only
+    try:
+        StarTrailCoreAttention(config, 1, AttnMaskType.causal, startrail_groups=groups, pg_collection=wrong)
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        Utils.destroy_model_parallel()
+
+
+def test_a_pg_collection_from_another_cp_layout_is_refused():
+    for rank, message in enumerate(run_ranks(mismatched_pg_collection_worker, 4, timeout=120)):
+        assert f"pg_collection.cp holds ranks [{rank}]" in message and "[0, 1, 2, 3]" in message
 
 
 @pytest.mark.parametrize("layout", ["sample", "document"])
 @pytest.mark.parametrize("team_size, ulysses", [(2, 1), (1, 2)], ids=["C2", "U2xS2"])
 def test_core_attention_takes_megatrons_packed_seq_params(team_size, ulysses, layout):
-    for shape, t_local, errors, pad_nonzero in run_ranks(packed_worker, 4, args=(team_size, ulysses, layout),
-                                                         timeout=120):
+    for shape, t_local, errors, pad_nonzero, _ in run_ranks(packed_worker, 4, args=(team_size, ulysses, layout),
+                                                            timeout=120):
         assert shape == (t_local, HEADS * DIM)  # [t/CP, np * hn]
         assert max(errors) < 1e-5, errors
         assert pad_nonzero == 0

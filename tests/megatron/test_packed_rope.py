@@ -102,16 +102,19 @@ def test_no_rope_layers_are_left_to_megatron(monkeypatch):
     from megatron_startrail.megatron.packed_rope import PackedRopeSelfAttention  # noqa: PLC0415
 
     seen = []
-    monkeypatch.setattr(SelfAttention, "forward",
-                        lambda self, hidden, mask=None, **kw: seen.append((kw["rotary_pos_emb"], self._sample_layout_freqs)))
+    def megatron_forward(self, hidden, mask=None, **kwargs):  # what reaches Megatron's own forward
+        seen.append((kwargs["rotary_pos_emb"], self._sample_layout_freqs))
+
+    monkeypatch.setattr(SelfAttention, "forward", megatron_forward)
     cu = torch.tensor([0, 5, 16], dtype=torch.int32)
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
     table = torch.randn(16, 1, 1, 8)
     for layer_number, rotated in ((1, True), (2, False)):
         layer = object.__new__(PackedRopeSelfAttention)  # no parameters needed: forward is stubbed
-        for name, value in (("config", TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=2,
-                                                         no_rope_freq=[0, 1], use_cpu_initialization=True)),
-                            ("layer_number", layer_number), ("pg_collection", types.SimpleNamespace(cp=FakeCPGroup(2, 0)))):
+        config = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=2, no_rope_freq=[0, 1],
+                                   use_cpu_initialization=True)
+        pg_collection = types.SimpleNamespace(cp=FakeCPGroup(2, 0))
+        for name, value in (("config", config), ("layer_number", layer_number), ("pg_collection", pg_collection)):
             object.__setattr__(layer, name, value)
         layer.forward(torch.randn(8, 1, 16), None, rotary_pos_emb=table, packed_seq_params=params)
         passed, freqs = seen.pop()

@@ -1,0 +1,137 @@
+"""NCCL-rules mode: a CPU run (gloo) that obeys, and is checked against, NCCL's rules.
+
+gloo forgives what NCCL does not: it matches P2P messages by tag, and it creates its
+connections when a group is made, so a rank that never touches a group leaves nobody
+waiting. On NCCL the k-th send between two ranks of a communicator matches the k-th
+receive, and a group's first batched P2P must include all of its ranks. With
+``STARTRAIL_CHECK_NCCL_RULES=1`` in the environment, :func:`new_startrail_groups`
+gives its transport a :class:`RuleAudit` that records, on this rank:
+
+- per group (by role) the kind of its first operation here: ``"collective"`` or ``"p2p"``;
+- per group and peer, the sequence of messages sent and received: ``(label, bytes)``.
+
+:func:`verify` then checks across ranks (tests/multiproc.py calls it after every
+distributed test, over the default group):
+
+1. for every pair of ranks and group, what one posted to the other as sends equals, in
+   order, what the other posted as receives (labels and sizes): the schedule never relies
+   on tags (the transport sends none; tag 0 makes gloo match in posting order, like NCCL);
+2. in every group where any rank ran a P2P, all its ranks' first operations are of one
+   kind: all a collective (eager initialisation) or all the same first P2P batch.
+
+The audits of one process are kept in creation order (every rank creates its groups
+collectively, in the same order, so audit ``i`` is the same groups on every rank).
+This registry exists only in this mode, for the test harness.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections import defaultdict
+
+import torch.distributed as dist
+
+ENV = "STARTRAIL_CHECK_NCCL_RULES"
+
+_AUDITS: list[RuleAudit] = []  # this process's audits, in creation order (this mode only)
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "") == "1"
+
+
+class RuleAudit:
+    """What one rank did on the groups of one :class:`~megatron_startrail.groups.StarTrailGroups`."""
+
+    def __init__(self, group_ranks: dict[str, tuple[int, ...]]) -> None:
+        self.index = len(_AUDITS)
+        self.group_ranks = group_ranks  # role -> global ranks of this rank's group of that role
+        self.first_op: dict[str, str] = {}
+        self.sent: dict[tuple[str, int], list] = defaultdict(list)  # (role, peer) -> [(label, bytes)]
+        self.received: dict[tuple[str, int], list] = defaultdict(list)
+        _AUDITS.append(self)
+
+    def collective(self, role: str) -> None:
+        self.first_op.setdefault(role, "collective")
+
+    def p2p(self, role: str, peer: int, label: str, nbytes: int, *, send: bool) -> None:
+        self.first_op.setdefault(role, "p2p")
+        (self.sent if send else self.received)[(role, peer)].append((label, nbytes))
+
+    def export(self) -> dict:
+        return {"index": self.index, "group_ranks": self.group_ranks, "first_op": dict(self.first_op),
+                "sent": dict(self.sent), "received": dict(self.received)}
+
+
+def take_audits() -> list[RuleAudit]:
+    """This process's audits so far, forgetting them."""
+    audits = list(_AUDITS)
+    _AUDITS.clear()
+    return audits
+
+
+@functools.cache
+def checked(transport_cls):
+    """``transport_cls`` recording every operation into its audit."""
+
+    class Checked(transport_cls):
+        def __init__(self, groups, p2p_ranks, audit: RuleAudit) -> None:
+            super().__init__(groups, p2p_ranks)
+            self.audit = audit
+
+        def post(self, sends, recvs, *, channel, label):
+            for tensors, send in ((sends, True), (recvs, False)):
+                for t, peer in tensors:
+                    src, dst = (self.position, peer) if send else (peer, self.position)
+                    role = self.role_of(self.p2p_group(src, dst, channel))
+                    self.audit.p2p(role, self.p2p_ranks[peer], label, t.numel() * t.element_size(), send=send)
+            return super().post(sends, recvs, channel=channel, label=label)
+
+        def collective(self, fn, *args, group, label, **kwargs):
+            self.audit.collective(self.role_of(group))
+            return super().collective(fn, *args, group=group, label=label, **kwargs)
+
+    Checked.__name__ = f"Checked{transport_cls.__name__}"
+    return Checked
+
+
+def verify(exports: list[list[dict]]) -> list[str]:
+    """The violations of rules 1 and 2 in ``exports[rank]`` (every rank's audits, in order)."""
+    problems = []
+    counts = {len(e) for e in exports}
+    if len(counts) != 1:
+        return [f"ranks built different numbers of StarTrail group sets: {[len(e) for e in exports]}"]
+    for index in range(counts.pop()):
+        for rank, audits in enumerate(exports):
+            audit = audits[index]
+            for role, ranks in audit["group_ranks"].items():
+                if rank != min(ranks):
+                    continue  # each group checked once, by its lowest rank
+                firsts = {m: exports[m][index]["first_op"].get(role) for m in ranks}
+                if "p2p" in firsts.values() and len(set(firsts.values())) > 1:
+                    problems.append(
+                        f"group set {index}, {role} group {list(ranks)}: first operation per rank {firsts}; "
+                        "NCCL needs every rank in a group's first P2P batch (or a collective on it first)")
+            for (role, peer), messages in audit["sent"].items():
+                got = exports[peer][index]["received"].get((role, rank), [])
+                if got != messages:
+                    problems.append(
+                        f"group set {index}, {role} group: rank {rank} sent rank {peer} {messages}, but rank "
+                        f"{peer} posted receives {got}; NCCL matches them in posting order, by size")
+            for (role, peer), messages in audit["received"].items():
+                if (role, rank) not in exports[peer][index]["sent"]:
+                    problems.append(f"group set {index}, {role} group: rank {rank} waits for {messages} from rank "
+                                    f"{peer}, which sent it nothing")
+    return problems
+
+
+def verify_across_ranks() -> None:
+    """Gather every rank's audits over the default group and raise on any violation
+    (collective over the default group; the audits are forgotten)."""
+    mine = [a.export() for a in take_audits()]
+    exports: list = [None] * dist.get_world_size()
+    dist.all_gather_object(exports, mine)
+    problems = verify(exports)
+    if problems:
+        raise AssertionError("NCCL rules violated:\n  " + "\n  ".join(problems[:10]))

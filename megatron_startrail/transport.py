@@ -1,0 +1,173 @@
+"""How the attention's messages travel: one transport object per set of StarTrail groups.
+
+Every P2P transfer and collective of the attention goes through a :class:`Transport`
+(accounting stays in :class:`~megatron_startrail.comm.Communicator`). The implementation
+follows the process group's backend, never a flag:
+
+- :class:`GlooTransport` (CPU). gloo runs both directions of a rank pair on one TCP
+  connection, where a pair exchange (one message each way) serialises; transfers to a
+  lower position therefore take the *twin* group, a second group over the same ranks
+  (``benchmarks/burst_probe.py``: 3.4 MB/s on one connection, 6.4 on two, at 50 Mbit/s).
+  A wait blocks the host; the timeline records host time.
+- :class:`NcclTransport` (GPU). NCCL runs each direction on its own channel but all of
+  one communicator's operations on one stream, in posting order. Transfers that must
+  progress together therefore go on different communicators: the sub-ring's hops
+  (channel ``"ring"``) on the StarTrail group; the initial send, its reverse and the
+  gradient accumulators (channel ``"side"``) on the twin. A wait is a stream dependency
+  (``Work.wait()`` makes the current stream wait; the host runs on), and the timeline
+  records CUDA events.
+
+NCCL's rules, which the schedule keeps on both backends (and which
+:mod:`megatron_startrail.nccl_rules` checks on CPU):
+
+1. **No tags.** Between two ranks of one communicator the k-th send matches the k-th
+   receive, and their sizes must agree. Every message here has tag 0; a pair of ranks
+   posts its sends and receives in the same order because every position runs the same
+   program (:func:`~megatron_startrail.schedule.rotate`).
+2. **Eager initialisation.** A group's first batched P2P must include all its ranks
+   (NCCL creates the communicator collectively). :meth:`Transport.initialize` runs one
+   collective on every group, on all its ranks, before any P2P; positions that never
+   send (a sub-ring of one) then cannot leave the others waiting.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+# The groups of one StarTrailGroups, by role, in the order they are initialised (the same
+# on every rank: each rank is in exactly one group of each role, so initialising them
+# role by role cannot deadlock).
+ROLES = ("ulysses", "startrail", "startrail_twin", "team", "cp")
+CHANNELS = ("ring", "side")
+
+
+class Transport:
+    """P2P over a StarTrail group (peers as positions in it) and collectives on explicit groups.
+
+    ``groups`` maps the roles of :data:`ROLES` to this rank's process groups (None: a group of
+    one, or not built); ``p2p_ranks`` are the StarTrail group's global ranks in position order.
+    """
+
+    backend = "base"
+
+    def __init__(self, groups: dict, p2p_ranks: tuple[int, ...]) -> None:
+        self.groups = {role: groups.get(role) for role in ROLES}
+        self.p2p_ranks = tuple(p2p_ranks)
+        me = dist.get_rank()
+        self.position = self.p2p_ranks.index(me) if me in self.p2p_ranks else None
+
+    # -- which group carries what -----------------------------------------------------
+    def p2p_group(self, src: int, dst: int, channel: str):
+        """The group carrying a transfer from position ``src`` to ``dst`` on ``channel``."""
+        raise NotImplementedError
+
+    def role_of(self, group) -> str:
+        for role, g in self.groups.items():
+            if g is group:
+                return role
+        return "other"
+
+    # -- operations: each returns the started works --------------------------------------
+    def post(self, sends, recvs, *, channel: str, label: str) -> list:
+        """Start sends ``(tensor, dst position)`` and receives ``(buffer, src position)``:
+        one ``batch_isend_irecv`` per group, all tag 0 (rule 1)."""
+        assert channel in CHANNELS, channel
+        batches: dict = {}
+        for t, peer in sends:
+            group = self.p2p_group(self.position, peer, channel)
+            batches.setdefault(group, []).append(dist.P2POp(dist.isend, t, group=group, group_peer=peer))
+        for t, peer in recvs:
+            group = self.p2p_group(peer, self.position, channel)
+            batches.setdefault(group, []).append(dist.P2POp(dist.irecv, t, group=group, group_peer=peer))
+        return [w for batch in batches.values() for w in dist.batch_isend_irecv(batch)]
+
+    def collective(self, fn, *args, group, label: str, **kwargs):
+        """Start collective ``fn(*args, group=group, **kwargs)``; returns its work."""
+        return fn(*args, group=group, async_op=True, **kwargs)
+
+    def wait(self, works: list, timeline=None, label: str = "") -> None:
+        """Complete ``works`` (how: by backend), recording the wait in ``timeline``."""
+        raise NotImplementedError
+
+    # -- set-up ----------------------------------------------------------------------------
+    def device(self) -> torch.device:
+        """Where this backend's tensors live (the eager initialisation's tensor)."""
+        return torch.device("cpu")
+
+    def initialize(self) -> None:
+        """Rule 2: one tiny all-reduce on every group of this rank, role by role (collective)."""
+        for role in ROLES:
+            group = self.groups[role]
+            if group is not None:
+                self.wait([self.collective(dist.all_reduce, torch.zeros(1, device=self.device()), group=group,
+                                           label="initialize")])
+
+
+class GlooTransport(Transport):
+    """CPU: transfers to a lower position take the twin group (their own connection)."""
+
+    backend = "gloo"
+
+    def p2p_group(self, src, dst, channel):
+        twin = self.groups["startrail_twin"]
+        return twin if twin is not None and dst < src else self.groups["startrail"]
+
+    def wait(self, works, timeline=None, label=""):
+        if not works:
+            return
+        start = time.perf_counter()
+        for w in works:
+            w.wait()  # gloo: blocks the host until done
+        if timeline is not None:
+            timeline.add(label, start, time.perf_counter())
+
+
+class NcclTransport(Transport):
+    """GPU: the side channel on the twin communicator; waits are stream dependencies."""
+
+    backend = "nccl"
+
+    def p2p_group(self, src, dst, channel):
+        twin = self.groups["startrail_twin"]
+        return twin if twin is not None and channel == "side" else self.groups["startrail"]
+
+    def device(self):
+        return torch.device("cuda", torch.cuda.current_device())
+
+    def wait(self, works, timeline=None, label=""):
+        if not works:
+            return
+        start = torch.cuda.Event(enable_timing=True) if timeline is not None else None
+        if start is not None:
+            start.record()
+        for w in works:
+            w.wait()  # NCCL: the current stream waits for the communication stream; the host does not
+        if start is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            timeline.add_events(label, start, end)
+
+
+TRANSPORTS = {"gloo": GlooTransport, "nccl": NcclTransport}
+
+
+def transport_for(groups: dict, p2p_ranks: tuple[int, ...], audit=None) -> Transport:
+    """The transport of the StarTrail group's backend (with ``audit``, a
+    :class:`~megatron_startrail.nccl_rules.RuleAudit`, every operation is checked against
+    NCCL's rules as well)."""
+    group = groups.get("startrail")
+    backend = str(dist.get_backend(group)).lower()
+    if backend == "fake":  # torch's no-op group: one process standing in for any rank (benchmarks/gpu_check)
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    cls = TRANSPORTS.get(backend)
+    if cls is None:
+        raise ValueError(f"StarTrail has no transport for the {backend!r} backend; use gloo (CPU) or nccl (GPU)")
+    if audit is not None:
+        from .nccl_rules import checked  # noqa: PLC0415 - the checking mode only
+
+        cls = checked(cls)
+        return cls(groups, p2p_ranks, audit)
+    return cls(groups, p2p_ranks)
