@@ -1,6 +1,6 @@
 """The GPU validation kit behind ``scripts/gpu_check.sh`` (one CUDA GPU, PyTorch; no megatron).
 
-Three parts, one Markdown file (``benchmarks/results/gpu_check.md`` by default):
+Four parts, one Markdown file (``benchmarks/results/gpu_check.md`` by default):
 
 1. every block kernel x {bf16, fp16, fp32} x {equal head dims, MLA dims} x {causal, not}
    x {MHA, GQA}, forward + backward against float64 (PASS / FAIL / SKIP with the reason);
@@ -9,7 +9,10 @@ Three parts, one Markdown file (``benchmarks/results/gpu_check.md`` by default):
    backward time against (one fused SDPA forward + backward over the whole sequence) / P,
    and its peak ``torch.cuda.max_memory_allocated``.
 
-``--cpu-selfcheck`` runs all three at toy sizes on the CPU (the CI test does, in seconds):
+4. the NCCL transport on one GPU: eager group initialisation, a self exchange on both
+   channels, the timeline from CUDA events (``benchmarks/gpu_check_transport.py``).
+
+``--cpu-selfcheck`` runs all four at toy sizes on the CPU (the CI test does, in seconds):
 it checks the kit itself, not any GPU kernel. The exit status is 1 when any accuracy row
 FAILs (speed is reported, never fails the run).
 
@@ -28,6 +31,7 @@ import torch
 
 from benchmarks.gpu_check_kernels import DTYPE_NAMES, TOLERANCE, all_cases, check_case, time_kernel, _timer
 from benchmarks.gpu_check_rank import FusedRow, fused_sdpa, one_rank
+from benchmarks.gpu_check_transport import one_gpu_transport, transport_table
 from megatron_startrail.kernels import RULES, KernelRequest, choose_kernel, kernel_constraint, usable_backends
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -222,6 +226,14 @@ def main(argv=None) -> int:
         if at_c2:
             verdict = "met" if min(at_c2) >= TARGET_EFFICIENCY else "NOT met"
             lines += ["", f"Efficiency at C = 2: {min(at_c2):.2f} (target {TARGET_EFFICIENCY:.2f}: {verdict})."]
+
+    # 4. the NCCL transport on one GPU (gloo in the CPU self-check)
+    transport = attempt("transport on one device", lambda: one_gpu_transport(device)) or []
+    errors += [f"transport: {r.check}: {r.detail}" for r in transport if not r.ok]
+    lines += ["", "## The transport on one device", "",
+              "A world of one real process group: eager group initialisation, a P2P exchange with itself on the "
+              "ring and side channels, the timeline (CUDA events on NCCL). Two ranks' matching and overlap need "
+              "two GPUs; the CPU suite's NCCL-rules mode checks the matching.", ""] + transport_table(transport)
 
     if errors:
         lines += ["", "## Errors", ""] + [f"- {e}" for e in errors]
