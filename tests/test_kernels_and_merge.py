@@ -6,6 +6,8 @@ import torch
 from megatron_startrail.blocks import merge_lse_, merge_partials
 from megatron_startrail.kernels import ReferenceKernel, TorchCPUFlashKernel, kernel_for
 from megatron_startrail.layout import (
+    cp_rank_segments,
+    dense_sequence,
     plan_blocks,
     segment_rows,
     split_rows,
@@ -13,7 +15,7 @@ from megatron_startrail.layout import (
     startrail_position_chunks,
     zigzag_chunks,
 )
-from tests.attention_cases import TOLERANCE, plan_coverage, reference_with_grads, relative_error
+from tests.attention_cases import TOLERANCE, plan_coverage, reference_with_grads, relative_error, zigzag_ranges
 
 KERNELS = [ReferenceKernel(), TorchCPUFlashKernel()]
 
@@ -177,6 +179,18 @@ def test_segment_rows_is_a_row_slice_of_the_storage():
     for a, b in ((0, 13), (2, 6), (4, 11), (6, 6), (12, 13)):
         assert per_row(segment_rows(segs, a, b)) == per_row(segs)[a:b]
     assert segment_rows(segs, 5, 10) == ((-1, 8, 9), (1, 0, 4))  # cut inside the padding
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4, 8])
+def test_package_layout_is_megatrons(cp):
+    # The tests lay out their inputs with their own copy of Megatron's layout
+    # (tests.attention_cases.zigzag_ranges); the package's chunks and a dense sample's
+    # segments must hold the same rows, in the same order.
+    chunk = 5
+    for r in range(cp):
+        want = zigzag_ranges(r, cp, 2 * cp * chunk)
+        assert [(c * chunk, (c + 1) * chunk) for c in zigzag_chunks(r, cp)] == want
+        assert [(a, b) for _, a, b in cp_rank_segments(dense_sequence(cp, 2 * chunk), r)] == want
 
 
 @pytest.mark.parametrize("cp", [2, 4, 8, 16])
