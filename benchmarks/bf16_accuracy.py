@@ -36,7 +36,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_startrail import new_startrail_groups, startrail_attn  # noqa: E402
-from megatron_startrail.layout import zigzag_chunks  # noqa: E402
+from tests.attention_cases import zigzag_ranges  # noqa: E402  (Megatron's CP layout, shared with the tests)
 
 TENSORS = ("out", "dq", "dk", "dv")
 REF_BLOCK = 2048  # rows/keys per float64 block: [h, 2048, 2048] scores = 64 MiB at h = 2
@@ -51,13 +51,8 @@ def full_inputs(seed: int, seq: int, heads: int, dim: int) -> list[torch.Tensor]
     ]
 
 
-def chunk_ranges(rank: int, world: int, seq: int) -> list[tuple[int, int]]:
-    """The [start, end) rows of this rank's two zigzag chunks."""
-    chunk = seq // (2 * world)
-    return [(c * chunk, (c + 1) * chunk) for c in zigzag_chunks(rank, world)]
-
-
-def local_rows(x: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
+def take_rows(x: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
+    """Rows ``[a, b)`` of every range, concatenated (this rank's rows for its zigzag ranges)."""
     return torch.cat([x[a:b] for a, b in ranges])
 
 
@@ -137,7 +132,7 @@ def reference_on_my_rows(full, ranges, scale) -> dict[str, torch.Tensor]:
         outs.append(out)
         lses.append(lse)
     out = torch.cat(outs, dim=1)
-    delta = (local_rows(full[3], ranges)[:, 0].transpose(0, 1) * out).sum(dim=-1)  # [h, n_local]
+    delta = (take_rows(full[3], ranges)[:, 0].transpose(0, 1) * out).sum(dim=-1)  # [h, n_local]
     lse_local = torch.cat(lses, dim=1)
     # Every rank's lse and D rows, placed back in sequence order: [h, S].
     gathered = [torch.empty(2, *lse_local.shape, dtype=torch.float64) for _ in range(world)]
@@ -146,7 +141,7 @@ def reference_on_my_rows(full, ranges, scale) -> dict[str, torch.Tensor]:
     delta_all = torch.empty_like(lse_all)
     for r, part in enumerate(gathered):
         offset = 0
-        for a, b in chunk_ranges(r, world, q.shape[1]):
+        for a, b in zigzag_ranges(r, world, q.shape[1]):
             lse_all[:, a:b], delta_all[:, a:b] = part[0][:, offset : offset + b - a], part[1][:, offset : offset + b - a]
             offset += b - a
     dq = torch.cat([reference_dq(q[:, a:b], k, v, dout[:, a:b], lse_all[:, a:b], delta_all[:, a:b], a, scale)
@@ -158,7 +153,7 @@ def reference_on_my_rows(full, ranges, scale) -> dict[str, torch.Tensor]:
 
 
 def startrail_on_my_rows(full, ranges, groups) -> dict[str, torch.Tensor]:
-    q, k, v, dout = (local_rows(t, ranges).to(torch.bfloat16) for t in full)
+    q, k, v, dout = (take_rows(t, ranges).to(torch.bfloat16) for t in full)
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
     out = startrail_attn(q, k, v, groups, causal=True)
     out.backward(dout)
@@ -178,7 +173,7 @@ def single_device_on_my_rows(full, ranges) -> dict[str, torch.Tensor]:
         for i, t in enumerate((out.detach(), q.grad, k.grad, v.grad)):
             results[i] = t.permute(2, 0, 1, 3)
     dist.broadcast(results, src=0)
-    return {name: local_rows(results[i], ranges) for i, name in enumerate(TENSORS)}
+    return {name: take_rows(results[i], ranges) for i, name in enumerate(TENSORS)}
 
 
 def global_errors(got: dict, ref: dict) -> dict[str, dict[str, float]]:
@@ -203,7 +198,7 @@ def accuracy_worker(rank, world_size, lengths, heads, dim, team_size, seed):
         if seq % (2 * world_size) != 0:
             raise ValueError(f"--lengths: {seq} is not divisible by 2 * --world-size = {2 * world_size}")
         full = full_inputs(seed + seq, seq, heads, dim)
-        ranges = chunk_ranges(rank, world_size, seq)
+        ranges = zigzag_ranges(rank, world_size, seq)
         start = time.perf_counter()
         ref = reference_on_my_rows(full, ranges, dim**-0.5)
         ref_s = time.perf_counter() - start

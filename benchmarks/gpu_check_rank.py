@@ -1,4 +1,4 @@
-"""One StarTrail rank at long context in one process (part of gpu_check; DESIGN.md section 5).
+"""One StarTrail rank at long context in one process (part of gpu_check; docs/design.md, "The test bed").
 
 torch's no-op ("fake") process group lets this process be rank ``r`` of a world of ``P``:
 ``new_startrail_groups`` and ``startrail_attn`` run unchanged, every collective and P2P

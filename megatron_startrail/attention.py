@@ -1,6 +1,6 @@
 """StarTrail attention: the autograd Function and the functional entry point.
 
-Forward on StarTrail position ``r`` (team ``t``, member ``m``; DESIGN.md section 1)::
+Forward on StarTrail position ``r`` (team ``t``, member ``m``; docs/design.md, "Rank math")::
 
     1. team all-gather      q [n, b, h, dqk], k|v [n, b, hkv, dqk + dv]  ->  [C*n, ...]
     2. initial send          team K, V to init_send_dst(r), in C pieces  (paper Alg. 2)

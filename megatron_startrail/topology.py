@@ -4,7 +4,7 @@ No torch.distributed here: everything is a function of positions inside one Star
 group, so it can be checked at any size without processes (like Megatron's
 ``RankGenerator``).
 
-Notation (paper section 3, DESIGN.md section 1)::
+Notation (paper section 3; docs/design.md, "Rank math")::
 
     P = size      ranks in the StarTrail group
     C = team_size ranks per team; C * C must divide P

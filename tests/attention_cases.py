@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_startrail.layout import plan_blocks, zigzag_chunks
+from megatron_startrail.layout import plan_blocks
 
 # Max |error| / max |reference| allowed per input dtype (the output and each gradient).
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
@@ -40,10 +40,25 @@ def reference_with_grads(q, k, v, dout, causal, scale):
     return out.detach(), q.grad, k.grad, v.grad
 
 
+def zigzag_ranges(cp_rank, cp_size, seq_len):
+    """The rows ``[start, stop)`` CP rank ``cp_rank`` holds of a ``seq_len``-token sequence in
+    Megatron's CP layout (``megatron.core.utils.get_batch_on_this_cp_rank``): the sequence
+    is cut into ``2 * cp_size`` equal chunks and rank ``r`` holds chunks ``r`` and
+    ``2 * cp_size - 1 - r``, in that order.
+
+    The one copy of this layout for tests and benchmarks. It is written from Megatron's
+    definition rather than with :mod:`megatron_startrail.layout`, so that inputs laid out
+    with it check the package's layout math instead of sharing it.
+    """
+    if seq_len % (2 * cp_size):
+        raise ValueError(f"{seq_len} tokens do not cut into 2 * {cp_size} equal chunks")
+    chunk = seq_len // (2 * cp_size)
+    return [(c * chunk, (c + 1) * chunk) for c in (cp_rank, 2 * cp_size - 1 - cp_rank)]
+
+
 def local_rows(x, cp_rank, cp_size):
-    """This CP rank's chunks of a ``[seq, ...]`` tensor, in Megatron's layout."""
-    chunk = x.shape[0] // (2 * cp_size)
-    return torch.cat([x[c * chunk : (c + 1) * chunk] for c in zigzag_chunks(cp_rank, cp_size)])
+    """This CP rank's rows of a ``[seq, ...]`` tensor, in Megatron's layout (:func:`zigzag_ranges`)."""
+    return torch.cat([x[a:b] for a, b in zigzag_ranges(cp_rank, cp_size, x.shape[0])])
 
 
 def relative_error(got, want):

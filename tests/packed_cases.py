@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from tests.attention_cases import zigzag_ranges
+
 PAD = -1
 
 
@@ -53,10 +55,8 @@ def held_positions(cp_rank: int, cp: int, cu, padded) -> torch.Tensor:
     """Positions CP rank ``cp_rank`` holds, in its storage order."""
     spans = [(0, int(cu[-1]))] if padded is None else [(int(a), int(b)) for a, b in zip(padded[:-1], padded[1:])]
     out = []
-    for a, b in spans:
-        piece = (b - a) // (2 * cp)
-        for c in (cp_rank, 2 * cp - 1 - cp_rank):
-            out.append(torch.arange(a + c * piece, a + (c + 1) * piece))
+    for a, b in spans:  # the whole sample, or each padded document span, in Megatron's layout
+        out += [torch.arange(a + lo, a + hi) for lo, hi in zigzag_ranges(cp_rank, cp, b - a)]
     return torch.cat(out)
 
 

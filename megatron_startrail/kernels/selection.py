@@ -16,7 +16,7 @@ table can be tested on a CPU). The rules, in ``auto`` order (README, "Block kern
 
 "V padded" means the kernel wants one head dim for q, k and v: V (and out, dO in the
 backward) get zero columns up to the common dim inside the call, and the result is cut
-back; nothing padded ever leaves the call (DESIGN.md section 4: nothing on the wire).
+back; nothing padded ever leaves the call (docs/design.md, "Block kernels").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Run megatron-core on a CPU-only PyTorch (for development, CI and the CPU main job).
 
-megatron-core assumes CUDA in a handful of places (DESIGN.md section 5 lists them).
+megatron-core assumes CUDA in a handful of places (docs/design.md, "megatron-core on a CPU-only PyTorch").
 Everything that works around that lives here, and nothing here is used when a GPU is
 present: :func:`apply` refuses to run when ``torch.cuda.is_available()``, and the
 example calls it only on CPU-only machines.

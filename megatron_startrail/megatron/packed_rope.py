@@ -8,7 +8,7 @@ chunks r and 2*CP-1-r of the sample, ``cu_seqlens`` stay global) and hands atten
 this rank's tokens into pieces of ``document length / CP`` and rotates each piece by the
 front/back chunk positions of its document. For the sample layout that is the wrong
 position for nearly every token (and a split error when a document length is not a
-multiple of CP). DESIGN.md section 6 describes the pitfall.
+multiple of CP). docs/design.md, "RoPE with packed documents", describes the pitfall.
 
 :class:`PackedRopeSelfAttention` is Megatron's ``SelfAttention`` with one change: in the
 sample layout with CP > 1 it rotates query and key itself, every held token by its

@@ -1,7 +1,7 @@
 """The StarTrail flags through Megatron's own, unmodified parser, and their validation errors."""
 
-import importlib.util
 import re
+import types
 
 import pytest
 
@@ -44,17 +44,40 @@ def test_tasp_is_startrail_with_team_size_one_and_multiring(monkeypatch):
     assert (args.startrail_team_size, args.startrail_transfer) == (1, "multiring")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("megatron_startrail.planner") is None, reason="planner not present")
-def test_auto_team_size_asks_the_planner(monkeypatch):
-    from megatron_startrail.planner import choose_team_size  # noqa: PLC0415
+def test_auto_team_size_asks_the_planner_with_the_flags_values(monkeypatch):
+    """``--startrail-team-size auto`` hands the planner what the flags say, per rank after
+    tensor and pipeline parallelism, and applies the plan it returns.
 
+    Each expected input is worked out here from the flags (not by calling the code that
+    computes it); the planner is replaced by a spy, so this tests the flags' way in and the
+    plan's way out whatever the planner's model predicts."""
+    asked = {}
+
+    def spy(**inputs):
+        asked.update(inputs)
+        return types.SimpleNamespace(team_size=4, regather_in_backward=True)  # neither is a default
+
+    monkeypatch.setattr("megatron_startrail.planner.choose_plan", spy)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     args = parse(monkeypatch, "--context-parallel-size", "16", "--context-parallel-algo", "startrail",
-                 "--tensor-model-parallel-size", "2", "--seq-length", "4096", "--max-position-embeddings", "4096")
+                 "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                 "--num-layers", "4", "--group-query-attention", "--num-query-groups", "2", "--bf16",
+                 "--micro-batch-size", "2", "--global-batch-size", "2",
+                 "--seq-length", "4096", "--max-position-embeddings", "4096")
     validate_startrail_args(args)
-    expected = choose_team_size(cp_size=16, ulysses_size=1, gpus_per_node=4, seq_length=4096, num_heads=4,
-                                num_kv_heads=4, head_dim=8, micro_batch_size=1, dtype_bytes=4)
-    assert args.startrail_team_size == expected and expected in (1, 2, 4)
+    assert asked == dict(
+        cp_size=16, ulysses_size=1,
+        gpus_per_node=4,  # 8 ranks per node, ordered tp-cp-...: 8 / TP 2 consecutive CP ranks
+        seq_length=4096,
+        num_heads=4,  # 8 heads / TP 2
+        num_kv_heads=1,  # 2 query groups / TP 2
+        head_dim=8, v_head_dim=8,  # hidden 64 / 8 heads
+        micro_batch_size=2,
+        dtype_bytes=2,  # --bf16
+        layers=2,  # 4 layers / PP 2: the attention layers of one stage
+        memory_limit_bytes=None,
+    )
+    assert (args.startrail_team_size, args.startrail_regather_in_backward) == (4, True)
 
 
 def test_memory_limit_turns_on_regathering_when_only_that_fits(monkeypatch):

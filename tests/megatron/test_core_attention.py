@@ -22,6 +22,7 @@ from megatron_startrail.documents import CHECK_OP  # noqa: E402
 from megatron_startrail.megatron.core_attention import StarTrailCoreAttention  # noqa: E402
 from megatron_startrail.megatron.layer_specs import to_startrail_spec  # noqa: E402
 from megatron_startrail.megatron.parallel_state import initialize_startrail  # noqa: E402
+from tests.attention_cases import local_rows  # noqa: E402
 from tests.packed_cases import (  # noqa: E402
     PAD,
     document_of_positions,
@@ -130,12 +131,6 @@ def test_a_config_asking_for_another_attention_is_refused(field, value, flag):
 SEQ, BATCH, HEADS, KV_HEADS, DIM = 64, 2, 4, 2, 16
 
 
-def zigzag(x, cp, cp_rank):
-    """Megatron's CP layout along dim 0: chunks r and 2*CP-1-r of 2*CP."""
-    chunks = x.chunk(2 * cp, dim=0)
-    return torch.cat([chunks[cp_rank], chunks[2 * cp - 1 - cp_rank]])
-
-
 def reference(q, k, v, causal):
     """Float64 softmax attention on the whole sequence; [s, b, h, d] with GQA."""
     q, k, v = (t.double().permute(1, 2, 0, 3) for t in (q, k, v))  # [b, h, s, d]
@@ -159,15 +154,15 @@ def attention_worker(rank, world_size, team_size, ulysses, mask_type):
     full = [torch.randn(SEQ, BATCH, h, DIM, generator=gen) for h in (HEADS, KV_HEADS, KV_HEADS)]
     grad_full = torch.randn(SEQ, BATCH, HEADS * DIM, generator=gen)
     cp_rank = parallel_state.get_context_parallel_rank()
-    q, k, v = (zigzag(t, world_size, cp_rank).requires_grad_() for t in full)
+    q, k, v = (local_rows(t, cp_rank, world_size).requires_grad_() for t in full)
     out = core(q, k, v, None, attn_mask_type=mask_type, attention_bias=None, packed_seq_params=None)
-    out.backward(zigzag(grad_full, world_size, cp_rank))
+    out.backward(local_rows(grad_full, cp_rank, world_size))
 
     ref_inputs = [t.double().requires_grad_() for t in full]
     ref = reference(*ref_inputs, causal=mask_type == AttnMaskType.causal).reshape(SEQ, BATCH, -1)
     ref.backward(grad_full.double())
-    errors = [(out.double() - zigzag(ref, world_size, cp_rank)).abs().max().item()]
-    errors += [(t.grad.double() - zigzag(r.grad, world_size, cp_rank)).abs().max().item()
+    errors = [(out.double() - local_rows(ref, cp_rank, world_size)).abs().max().item()]
+    errors += [(t.grad.double() - local_rows(r.grad, cp_rank, world_size)).abs().max().item()
                for t, r in zip((q, k, v), ref_inputs)]
     Utils.destroy_model_parallel()
     return tuple(out.shape), errors

@@ -41,6 +41,7 @@ def patched_worker(rank, world_size):
 
     Utils.initialize_model_parallel(seed=1234)  # applies the patches, seeds the tracker
     cpu_patches.apply()  # idempotent
+    default_before = torch.get_rng_state()
     with get_cuda_rng_tracker().fork():
         first = torch.rand(4)
     with get_cuda_rng_tracker().fork():
@@ -48,11 +49,23 @@ def patched_worker(rank, world_size):
     outside = torch.rand(4)
     torch.cuda.synchronize()
     Utils.destroy_model_parallel()
-    return cpu_patches.is_applied(), torch.cuda.current_device(), first, second, outside
+    return cpu_patches.is_applied(), torch.cuda.current_device(), first, second, outside, default_before
 
 
 def test_patched_process_has_a_working_model_parallel_rng():
-    ((applied, device, first, second, outside),) = run_ranks(patched_worker, 1, timeout=60)
+    ((applied, device, first, second, outside, default_before),) = run_ranks(patched_worker, 1, timeout=60)
     assert applied and device == 0
-    # The tracker's stream continues across forks and is separate from the default generator.
-    assert not torch.equal(first, second) and not torch.equal(first, outside)
+    # What the patched tracker must do, written from Megatron's definitions and torch alone
+    # (three consecutive draws differ anyway, so comparing them with each other would pass
+    # with a fork that did nothing). model_parallel_cuda_manual_seed seeds the
+    # tensor-model-parallel state with seed + 2718 + tp_rank (1234 + 2718 + 0 here), so:
+    tracker_stream = torch.Generator().manual_seed(1234 + 2718)
+    # 1. inside a fork the draws come from that seed, not from the default generator;
+    assert torch.equal(first, torch.rand(4, generator=tracker_stream))
+    # 2. the next fork continues the tracker's stream where the first one left it;
+    assert torch.equal(second, torch.rand(4, generator=tracker_stream))
+    # 3. leaving a fork restores the default generator: outside the forks it draws as if
+    #    they had never run.
+    default_stream = torch.Generator()
+    default_stream.set_state(default_before)
+    assert torch.equal(outside, torch.rand(4, generator=default_stream))

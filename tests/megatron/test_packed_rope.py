@@ -13,6 +13,7 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 from megatron_startrail.megatron.packed_rope import apply_rotary_pos_emb, sample_layout_positions  # noqa: E402
+from tests.attention_cases import local_rows  # noqa: E402
 
 
 def random_cu_seqlens(total, seed):
@@ -27,12 +28,6 @@ def random_cu_seqlens(total, seed):
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
 
 
-def zigzag(x, cp_size, cp_rank):
-    """Megatron's per-sequence CP layout on dim 0: chunks r and 2*CP-1-r."""
-    chunks = x.chunk(2 * cp_size)
-    return torch.cat([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]])
-
-
 def document_position_ids(cu_seqlens):
     """What GPTDataset writes with --dataloader-inter-document-masking: 0, 1, ... in every document."""
     return torch.cat([torch.arange(int(e - s)) for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:])])
@@ -45,7 +40,7 @@ def test_positions_are_the_datasets_position_ids_on_this_rank(cp_size):
     full = document_position_ids(cu_seqlens)
     for cp_rank in range(cp_size):
         got = sample_layout_positions(cu_seqlens, cp_size, cp_rank)
-        assert torch.equal(got, zigzag(full, cp_size, cp_rank))
+        assert torch.equal(got, local_rows(full, cp_rank, cp_size))
 
 
 def test_a_sample_not_divisible_by_2cp_is_a_value_error():
@@ -80,10 +75,10 @@ def test_rotation_on_a_cp_rank_equals_rotating_the_whole_sample():
     differs = False
     for cp_rank in range(cp_size):
         group = FakeCPGroup(cp_size, cp_rank)
-        local = zigzag(q, cp_size, cp_rank)
+        local = local_rows(q, cp_rank, cp_size)
         got = apply_rotary_pos_emb(local, table[sample_layout_positions(cu_seqlens, cp_size, cp_rank)],
                                    config=config, cp_group=group)
-        torch.testing.assert_close(got, zigzag(whole, cp_size, cp_rank), rtol=0, atol=1e-12)
+        torch.testing.assert_close(got, local_rows(whole, cp_rank, cp_size), rtol=0, atol=1e-12)
         try:  # what Megatron's attention would do with these PackedSeqParams
             megatron_thd = _apply_rotary_pos_emb_thd(local.squeeze(1), cu_seqlens, table, cp_group=group)
             differs |= not torch.allclose(megatron_thd, got.squeeze(1))

@@ -19,7 +19,7 @@ def coordinates(rank, tp, cp, dp, pp):
 
 
 def test_cp_groups_of_known_grids():
-    # DESIGN.md: world 8, TP=2, CP=4 -> [0,2,4,6] and [1,3,5,7]
+    # docs/design.md, "Where it sits in Megatron": world 8, TP=2, CP=4 -> [0,2,4,6] and [1,3,5,7]
     assert context_parallel_groups(8, tp=2, cp=4) == [[0, 2, 4, 6], [1, 3, 5, 7]]
     assert context_parallel_groups(8, cp=4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert context_parallel_groups(8, tp=2, pp=2, cp=2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
