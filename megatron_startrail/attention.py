@@ -40,9 +40,10 @@ from .accounting import AttentionShape, choose_backward_rotation
 from .comm import CommStats, Communicator
 from .documents import agree_on_documents
 from .groups import StarTrailGroups
+from .halo import halo_attn, halo_plan
 from .kernels import check_kernel, kernel_for
 from .initial_send import PieceTransfer, ReverseInitialSend, post_initial_send
-from .layout import Documents, Segment, rows_of_cp_ranks, segment_rows
+from .layout import Documents, Segment, normalize_window, rows_of_cp_ranks, segment_rows
 from .schedule import rotate
 from .timeline import Timeline
 from .transfer import TRANSFERS, LaneSplit, sub_ring_lanes
@@ -83,7 +84,8 @@ def _gather_team_and_send(comm: Communicator, groups: StarTrailGroups, q, k, v, 
     return q_gather.wait(), kv_init
 
 
-def _sub_ring_forward(comm, groups, docs, kernel, transfer, q_team, kv_init: PieceTransfer, *, causal, scale):
+def _sub_ring_forward(comm, groups, docs, kernel, transfer, q_team, kv_init: PieceTransfer, *, causal, scale,
+                      window=None):
     """Phase 3 (paper Alg. 3): the team's queries against the K, V circulating in the
     sub-ring, step 0 attending to each piece of the initial send as it lands; returns the
     partial ``acc_out [b, h, C*n, dv]``, ``acc_lse [b, h, C*n]``."""
@@ -103,7 +105,7 @@ def _sub_ring_forward(comm, groups, docs, kernel, transfer, q_team, kv_init: Pie
         for lane_index, (lane, (kv,), kv_rows) in enumerate(zip(kv_rot.lanes, payloads, part_rows)):
             k_segments = kv_rot.part_segments(lane.origin(pos, step), lane_index, kv_rows)
             blocks.forward_step(kernel, q_team, kv, q_segments, k_segments, acc_out, acc_lse,
-                                causal=causal, scale=scale)
+                                causal=causal, scale=scale, window=window)
 
     rotate(comm, kv_rot.lanes, pos, kv_rot.split([kv_init.tensor]), attend, op="sub_ring",
            pieces=kv_rot.pieces(kv_init))
@@ -149,14 +151,14 @@ class _StarTrailAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, groups: StarTrailGroups, docs, causal, scale, rotation, transfer, regather,
-                fwd_stats, bwd_stats, timeline):
+                fwd_stats, bwd_stats, timeline, window):
         # q [n, b, h, dqk], k [n, b, hkv, dqk], v [n, b, hkv, dv]; n = len(my chunks) * L
         kernel = kernel_for(q, k, v, groups.kernel)
         comm = Communicator(fwd_stats, groups.transport, timeline)
         q_team, kv_init = _gather_team_and_send(comm, groups, q, k, v, gather_op="team_all_gather",
                                                 send_op="init_send")
         acc_out, acc_lse = _sub_ring_forward(comm, groups, docs, kernel, transfer, q_team, kv_init,
-                                             causal=causal, scale=scale)
+                                             causal=causal, scale=scale, window=window)
         out, lse = _team_merge(comm, groups, acc_out, acc_lse, q.dtype)
 
         ctx.regather = regather or regathers_for_free(groups)
@@ -166,6 +168,7 @@ class _StarTrailAttention(torch.autograd.Function):
             ctx.save_for_backward(q_team, kv_init.tensor, out, lse)
         ctx.groups, ctx.docs, ctx.causal, ctx.scale, ctx.kernel = groups, docs, causal, scale, kernel
         ctx.rotation, ctx.transfer, ctx.bwd_stats, ctx.timeline = rotation, transfer, bwd_stats, timeline
+        ctx.window = window
         return out
 
     @staticmethod
@@ -186,11 +189,12 @@ class _StarTrailAttention(torch.autograd.Function):
         # piece, with rotation "q") while dQ is reduce-scattered in the team (float32):
         # every member keeps its own rows.
         dq_team, dkv_back = _sub_ring_backward(comm, groups, docs, ctx.kernel, ctx.transfer, ctx.rotation,
-                                               q_side, lse_team, kv_init, dqk, causal=ctx.causal, scale=ctx.scale)
+                                               q_side, lse_team, kv_init, dqk, causal=ctx.causal, scale=ctx.scale,
+                                               window=ctx.window)
         dq = comm.reduce_scatter(dq_team, groups.team_group, groups.team_size, op="team_reduce_scatter")
         dkv = comm.reduce_scatter(dkv_back.wait(), groups.team_group, groups.team_size, op="team_reduce_scatter")
         dk, dv = dkv[..., :dqk].to(dtype), dkv[..., dqk:].to(dtype)
-        return (dq.to(dtype), dk, dv) + (None,) * 10
+        return (dq.to(dtype), dk, dv) + (None,) * 11
 
 
 # -- the backward's own phases ---------------------------------------------------------------
@@ -206,7 +210,7 @@ def _gather_query_side(comm, groups, q_team, dout, out, lse):
 
 
 def _sub_ring_backward(comm, groups, docs, kernel, transfer, rotation, q_side, lse_team, kv_init: PieceTransfer,
-                       dqk, *, causal, scale):
+                       dqk, *, causal, scale, window=None):
     """The forward's sub-ring schedule with one side fixed and the other circulating with
     its gradient accumulator (``rotation`` "q": Q, dO, out, lse and dQ move, paper 3.2.1;
     "kv": K, V and dK, dV move); step 0 uses each piece of ``kv_init`` as it lands.
@@ -222,7 +226,7 @@ def _sub_ring_backward(comm, groups, docs, kernel, transfer, rotation, q_side, l
     def grads(qs, lse_rows, kv, q_segments, kv_segments, dq, dkv):
         q, dout, out = qs[..., :dqk], qs[..., dqk : dqk + dv], qs[..., dqk + dv :]
         blocks.backward_step(kernel, q, dout, out, lse_rows, kv, q_segments, kv_segments, dq, dkv,
-                             causal=causal, scale=scale)
+                             causal=causal, scale=scale, window=window)
 
     if rotation == "q":
         own_kv_segments = _team_segments(groups, docs, topo.kv_team_at_step(pos, 0))
@@ -262,6 +266,19 @@ def _sub_ring_backward(comm, groups, docs, kernel, transfer, rotation, q_side, l
                   pieces=kv_rot.pieces(kv_init))
     dkv_init = kv_rot.join([lane_acc[0] for lane_acc in home])
     return dq_team, ReverseInitialSend(comm, topo, pos, dkv_init, kv_init.bounds)
+
+
+def _window(window_size, causal: bool) -> tuple[int, int] | None:
+    """``window_size`` as ``(left, right)`` ints, or None when it bounds nothing (-1, -1)."""
+    if window_size is None:
+        return None
+    try:
+        left, right = (int(x) for x in window_size)
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size must be (left, right) with -1 for unbounded, got {window_size!r}") from None
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size must be (left, right) with -1 for unbounded, got {window_size!r}")
+    return (left, right) if normalize_window((left, right), causal) is not None else None
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: StarTrailGroups) -> None:
@@ -320,6 +337,7 @@ def startrail_attn(
     regather_in_backward: bool = False,
     timeline: Timeline | None = None,
     cp_group=None,
+    window_size: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Exact softmax attention over the whole context-parallel group.
 
@@ -348,6 +366,13 @@ def startrail_attn(
     ``timeline`` (:class:`~megatron_startrail.timeline.Timeline`) records, forward and
     backward, the spans this rank spends blocked on each communication.
 
+    ``window_size=(left, right)``: sliding-window attention with Megatron's and
+    flash-attn's meaning (query ``i`` sees keys ``i - left .. i + right`` of its document;
+    -1 is unbounded; ``right = 0`` is causal). Pairs outside the window make no kernel call
+    (Note [window blocks] in :mod:`megatron_startrail.layout`); when every query's window
+    reaches only the neighbouring CP ranks' chunks, only those keys move (the halo
+    exchange, :mod:`megatron_startrail.halo`), instead of the sub-ring and team phases.
+
     ``cp_group`` (optional): the context-parallel process group of this rank, e.g.
     Megatron's ``pg_collection.cp``; it must hold the CP ranks the StarTrail groups were
     built for. The packed-document agreement runs on it (default: the StarTrail groups' own).
@@ -369,10 +394,16 @@ def startrail_attn(
                                v_head_dim=v.shape[3])
         rotation = choose_backward_rotation(shape, groups.ulysses_size, groups.team_size)
 
+    window = _window(window_size, causal)
+    plan = halo_plan(docs, window, causal, groups.cp_rank) if window is not None else None
+    if plan is not None:  # every window reaches only the CP neighbours: exchange just those keys
+        out = halo_attn(q, k, v, groups, docs, plan, window, causal, scale, kernel_for(q, k, v, groups.kernel),
+                        fwd_stats, bwd_stats, timeline)
+        return out.squeeze(1) if thd else out
     if groups.ulysses_size > 1:
         q, k, v = gather_sequence(q, k, v, groups, fwd_stats, bwd_stats, timeline)
     out = _StarTrailAttention.apply(q, k, v, groups, docs, causal, scale, rotation, transfer,
-                                    bool(regather_in_backward), fwd_stats, bwd_stats, timeline)
+                                    bool(regather_in_backward), fwd_stats, bwd_stats, timeline, window)
     if groups.ulysses_size > 1:
         out = scatter_sequence(out, groups, fwd_stats, bwd_stats, timeline)
     return out.squeeze(1) if thd else out

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import BlockKernel
-from .layout import Segment, plan_blocks
+from .kernels import BlockKernel, ReferenceKernel
+from .layout import Block, Segment, plan_blocks
 
 
 def _bhsd(x: torch.Tensor) -> torch.Tensor:
@@ -64,6 +64,22 @@ def add_rows(dst: torch.Tensor, src: torch.Tensor, ranges: tuple[tuple[int, int]
         pos += b - a
 
 
+_BAND_KERNEL = ReferenceKernel()  # the band edges of a sliding window: explicit mask
+
+
+def _call(kernel: BlockKernel, block: Block, device) -> tuple[BlockKernel, dict]:
+    """The kernel and keyword arguments of ``block``: its own kernel, or for a band edge
+    (Note [window blocks] in :mod:`megatron_startrail.layout`) the reference math with the
+    band's mask ``[sq, sk]`` (True: visible)."""
+    if block.band is None:
+        return kernel, {"causal": block.causal}
+    offset, lo, hi = block.band
+    sq = block.q_rows[1] - block.q_rows[0]
+    sk = sum(b - a for a, b in block.k_rows)
+    delta = torch.arange(sk, device=device)[None, :] + offset - torch.arange(sq, device=device)[:, None]
+    return _BAND_KERNEL, {"causal": False, "mask": (delta >= lo) & (delta <= hi)}
+
+
 def forward_step(
     kernel: BlockKernel,
     q: torch.Tensor,
@@ -75,14 +91,15 @@ def forward_step(
     *,
     causal: bool,
     scale: float,
+    window: tuple[int, int] | None = None,
 ) -> None:
     """Attend ``q`` to ``kv`` and merge into ``acc_out [b, h, Sq, dv]`` / ``acc_lse [b, h, Sq]``."""
     dqk = q.shape[-1]
-    for block in plan_blocks(q_segments, k_segments, causal):
+    for block in plan_blocks(q_segments, k_segments, causal, window):
         q0, q1 = block.q_rows
         kvs = take_rows(kv, block.k_rows)
-        out, lse = kernel.forward(_bhsd(q[q0:q1]), _bhsd(kvs[..., :dqk]), _bhsd(kvs[..., dqk:]),
-                                  causal=block.causal, scale=scale)
+        call, kwargs = _call(kernel, block, q.device)
+        out, lse = call.forward(_bhsd(q[q0:q1]), _bhsd(kvs[..., :dqk]), _bhsd(kvs[..., dqk:]), scale=scale, **kwargs)
         merge_lse_(acc_out[:, :, q0:q1], acc_lse[:, :, q0:q1], out, lse)
 
 
@@ -100,15 +117,17 @@ def backward_step(
     *,
     causal: bool,
     scale: float,
+    window: tuple[int, int] | None = None,
 ) -> None:
     """Add this step's gradients into ``dq [Sq, b, h, dqk]`` and ``dkv [Sk, b, hkv, dqk + dv]``."""
     dqk = q.shape[-1]
-    for block in plan_blocks(q_segments, k_segments, causal):
+    for block in plan_blocks(q_segments, k_segments, causal, window):
         q0, q1 = block.q_rows
         kvs = take_rows(kv, block.k_rows)
-        gq, gk, gv = kernel.backward(
+        call, kwargs = _call(kernel, block, q.device)
+        gq, gk, gv = call.backward(
             _bhsd(dout[q0:q1]), _bhsd(q[q0:q1]), _bhsd(kvs[..., :dqk]), _bhsd(kvs[..., dqk:]), _bhsd(out[q0:q1]),
-            lse[q0:q1].permute(1, 2, 0).contiguous(), causal=block.causal, scale=scale,
+            lse[q0:q1].permute(1, 2, 0).contiguous(), scale=scale, **kwargs,
         )
         _bhsd(dq[q0:q1]).add_(gq)
         # [b, hkv, Sk', dqk] | [b, hkv, Sk', dv] -> [Sk', b, hkv, dqk + dv]

@@ -75,6 +75,7 @@ class StarTrailGroups:
     startrail_twin_group: object | None = None
     cp_group: object | None = None  # this rank's whole CP group (the packed-document agreement)
     transport: Transport | None = field(default=None, repr=False)  # every message of the attention
+    cp_transport: Transport | None = field(default=None, repr=False)  # the same, P2P over the CP group
     backward_rotation: str = "auto"
     kernel: str = "auto"
     # Per-micro-batch packed-document metadata, shared by every layer (megatron_startrail.documents).
@@ -167,7 +168,8 @@ def new_startrail_groups(
                  "startrail": create(plan["startrail"], "startrail"),
                  "startrail_twin": create(plan["startrail"], "startrail_twin"),
                  "team": create(plan["teams"], "team") if team_size > 1 else None,
-                 "cp": create([cp], "cp")}
+                 "cp": create([cp], "cp"),
+                 "cp_twin": create([cp], "cp_twin")}  # P2P over the CP group: the halo exchange
         if rank in cp:
             mine = built
 
@@ -180,6 +182,7 @@ def new_startrail_groups(
         audit = nccl_rules.RuleAudit({role: tuple(dist.get_process_group_ranks(g))
                                       for role, g in mine.items() if g is not None})
     transport = transport_for(mine, st_ranks, audit)
+    cp_transport = transport.on(("cp", "cp_twin"), tuple(my_cp))  # P2P between CP ranks (halo exchange)
     if eager_init:
         transport.initialize()
     return StarTrailGroups(
@@ -196,6 +199,7 @@ def new_startrail_groups(
         startrail_twin_group=mine["startrail_twin"],
         cp_group=mine["cp"],
         transport=transport,
+        cp_transport=cp_transport,
         documents_cache=MicroBatchCache(),
         backward_rotation=backward_rotation,
         kernel=kernel,

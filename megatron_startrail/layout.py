@@ -248,12 +248,67 @@ class Block:
 
     ``k_rows`` may list several ranges (concatenated for the call). ``causal`` blocks are
     square with the diagonal on the diagonal (top-left aligned), the one mask every
-    kernel agrees on.
+    kernel agrees on. ``band`` (sliding windows only, Note [window blocks]) is
+    ``(offset, lo, hi)``: block row ``r`` sees block column ``c`` iff
+    ``lo <= c + offset - r <= hi`` (positions: key minus query).
     """
 
     q_rows: tuple[int, int]
     k_rows: tuple[tuple[int, int], ...]
     causal: bool
+    band: tuple[int, float, float] | None = None
+
+
+# Note [window blocks]
+# --------------------
+# A sliding window (Megatron's --window-size L,R; flash-attn's window_size) lets query
+# position i see key position j of its document iff i - L <= j <= i + R (-1: unbounded;
+# causal caps R at 0). In key-minus-query terms: lo <= j - i <= hi. For a query segment
+# [qa, qb) and a key segment [ka, kb), only rows i in [ka - hi, kb - 1 - lo] see any key
+# (so no row of a block ever sees nothing); they are cut into tiles of BAND_TILE rows, and
+# tile [t, te) sees keys [t + lo, te - 1 + hi]. Of those, keys [te - 1 + lo, t + hi] are
+# seen by every row of the tile (one full block for the fused kernel); the keys left and
+# right of them form the band's edges, each a masked block (reference math, explicit
+# mask). Pairs entirely outside the window make no block, so a window shorter than a
+# chunk makes most (query chunk, key chunk) pairs no kernel call at all.
+BAND_TILE = 128
+
+
+def normalize_window(window: tuple[int, int] | None, causal: bool) -> tuple[float, float] | None:
+    """``(left, right)`` (-1 or None: unbounded) -> ``(lo, hi)`` bounds of key minus query
+    position, or None when the window bounds nothing the mask does not already."""
+    if window is None:
+        return None
+    left, right = window
+    lo = -float("inf") if left is None or left < 0 else -int(left)
+    hi = float("inf") if right is None or right < 0 else int(right)
+    if causal:
+        hi = min(hi, 0)
+    if lo == -float("inf") and hi == (0 if causal else float("inf")):
+        return None
+    return lo, hi
+
+
+def _window_blocks(qo: int, qa: int, qb: int, ko: int, ka: int, kb: int, lo: float, hi: float) -> list[Block]:
+    """The blocks of one same-document (query segment, key segment) pair under a window
+    (Note [window blocks]); rows ``qo + ..`` and keys ``ko + ..`` of local storage."""
+    rows = (max(qa, ka - hi), min(qb, kb - 1 - lo + 1))
+    blocks = []
+    for t in range(int(rows[0]), int(rows[1]), BAND_TILE):
+        te = min(t + BAND_TILE, int(rows[1]))
+        see = (max(ka, t + lo), min(kb, te - 1 + hi + 1))  # keys any row of the tile sees
+        every = (max(see[0], te - 1 + lo), min(see[1], t + hi + 1))  # keys every row sees
+        q_rows = (qo + t - qa, qo + te - qa)
+        if every[0] < every[1]:
+            edges = [(see[0], every[0]), (every[1], see[1])]
+            blocks.append(Block(q_rows, ((ko + int(every[0]) - ka, ko + int(every[1]) - ka),), False))
+        else:
+            edges = [see]
+        for a, b in edges:
+            if a < b:
+                a, b = int(a), int(b)
+                blocks.append(Block(q_rows, ((ko + a - ka, ko + b - ka),), False, (a - t, lo, hi)))
+    return blocks
 
 
 def _coalesce(ranges: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
@@ -280,8 +335,10 @@ def _merge_query_runs(blocks: list[Block]) -> tuple[Block, ...]:
 
 
 @functools.lru_cache(maxsize=4096)  # pure, and called every step with the same few layouts
-def plan_blocks(q_segments: tuple[Segment, ...], k_segments: tuple[Segment, ...], causal: bool) -> tuple[Block, ...]:
-    """Kernel calls that cover exactly the visible (query, key) pairs; see Note [causal blocks].
+def plan_blocks(q_segments: tuple[Segment, ...], k_segments: tuple[Segment, ...], causal: bool,
+                window: tuple[int, int] | None = None) -> tuple[Block, ...]:
+    """Kernel calls that cover exactly the visible (query, key) pairs; see Note [causal blocks]
+    and, with a sliding ``window`` ``(left, right)``, Note [window blocks].
 
     Only segments of the same document meet. For a query segment ``[qa, qb)`` and a key
     segment ``[ka, kb)`` of one document, causal::
@@ -299,6 +356,15 @@ def plan_blocks(q_segments: tuple[Segment, ...], k_segments: tuple[Segment, ...]
         if doc != PADDING:
             k_by_doc.setdefault(doc, []).append((ka, kb, row))
         row += kb - ka
+    bounds = normalize_window(window, causal)
+    if bounds is not None:
+        windowed: list[Block] = []
+        qo = 0
+        for doc, qa, qb in q_segments:
+            for ka, kb, ko in k_by_doc.get(doc, ()) if doc != PADDING else ():
+                windowed += _window_blocks(qo, qa, qb, ko, ka, kb, *bounds)
+            qo += qb - qa
+        return tuple(windowed)
     blocks: list[Block] = []
     qo = 0
     for doc, qa, qb in q_segments:

@@ -32,6 +32,7 @@ NCCL's rules, which the schedule keeps on both backends (and which
 
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
@@ -40,7 +41,7 @@ import torch.distributed as dist
 # The groups of one StarTrailGroups, by role, in the order they are initialised (the same
 # on every rank: each rank is in exactly one group of each role, so initialising them
 # role by role cannot deadlock).
-ROLES = ("ulysses", "startrail", "startrail_twin", "team", "cp")
+ROLES = ("ulysses", "startrail", "startrail_twin", "team", "cp", "cp_twin")
 CHANNELS = ("ring", "side")
 
 
@@ -49,20 +50,35 @@ class Transport:
 
     ``groups`` maps the roles of :data:`ROLES` to this rank's process groups (None: a group of
     one, or not built); ``p2p_ranks`` are the StarTrail group's global ranks in position order.
+    P2P runs on the group of role ``p2p_roles[0]`` and its twin ``p2p_roles[1]``
+    (:meth:`on` gives the same transport over the CP group, for the halo exchange).
     """
 
     backend = "base"
 
-    def __init__(self, groups: dict, p2p_ranks: tuple[int, ...]) -> None:
+    def __init__(self, groups: dict, p2p_ranks: tuple[int, ...],
+                 p2p_roles: tuple[str, str] = ("startrail", "startrail_twin")) -> None:
         self.groups = {role: groups.get(role) for role in ROLES}
+        self.p2p_roles = p2p_roles
         self.p2p_ranks = tuple(p2p_ranks)
         me = dist.get_rank()
         self.position = self.p2p_ranks.index(me) if me in self.p2p_ranks else None
+
+    def on(self, p2p_roles: tuple[str, str], p2p_ranks: tuple[int, ...]) -> Transport:
+        """This transport (same groups, same audit) with P2P over the groups of ``p2p_roles``,
+        whose global ranks in position order are ``p2p_ranks``."""
+        other = copy.copy(self)
+        other.p2p_roles, other.p2p_ranks = p2p_roles, tuple(p2p_ranks)
+        other.position = other.p2p_ranks.index(dist.get_rank())
+        return other
 
     # -- which group carries what -----------------------------------------------------
     def p2p_group(self, src: int, dst: int, channel: str):
         """The group carrying a transfer from position ``src`` to ``dst`` on ``channel``."""
         raise NotImplementedError
+
+    def _main_and_twin(self):
+        return self.groups[self.p2p_roles[0]], self.groups[self.p2p_roles[1]]
 
     def role_of(self, group) -> str:
         for role, g in self.groups.items():
@@ -112,8 +128,8 @@ class GlooTransport(Transport):
     backend = "gloo"
 
     def p2p_group(self, src, dst, channel):
-        twin = self.groups["startrail_twin"]
-        return twin if twin is not None and dst < src else self.groups["startrail"]
+        main, twin = self._main_and_twin()
+        return twin if twin is not None and dst < src else main
 
     def wait(self, works, timeline=None, label=""):
         if not works:
@@ -131,8 +147,8 @@ class NcclTransport(Transport):
     backend = "nccl"
 
     def p2p_group(self, src, dst, channel):
-        twin = self.groups["startrail_twin"]
-        return twin if twin is not None and channel == "side" else self.groups["startrail"]
+        main, twin = self._main_and_twin()
+        return twin if twin is not None and channel == "side" else main
 
     def device(self):
         return torch.device("cuda", torch.cuda.current_device())

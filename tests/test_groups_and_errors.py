@@ -46,7 +46,7 @@ def test_each_backend_routes_transfers_to_its_twin_group_by_its_own_rule():
     groups = {"startrail": "main group", "startrail_twin": "twin group"}
     gloo, nccl = (cls.__new__(cls) for cls in (GlooTransport, NcclTransport))
     for transport in (gloo, nccl):
-        transport.groups = groups
+        transport.groups, transport.p2p_roles = groups, ("startrail", "startrail_twin")
     for channel in ("ring", "side"):
         assert gloo.p2p_group(0, 2, channel) == "main group"
         assert gloo.p2p_group(2, 0, channel) == "twin group"

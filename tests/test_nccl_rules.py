@@ -31,7 +31,7 @@ def test_startrail_runs_are_audited_and_obey_the_rules():
     """P = 8, C = 2: every group's first operation is the eager collective, and the audit
     saw the P2P messages (the harness then found every pair's order matched)."""
     for first_op, messages in run_ranks(audited_attention_worker, 8, args=(2, True)):
-        assert set(first_op) == {"startrail", "startrail_twin", "team", "cp"}
+        assert set(first_op) == {"startrail", "startrail_twin", "team", "cp", "cp_twin"}
         assert set(first_op.values()) == {"collective"}
         assert messages > 0
 

@@ -29,16 +29,25 @@ def _causal_mask(sq: int, sk: int, device) -> torch.Tensor:
     return torch.ones(sq, sk, dtype=torch.bool, device=device).tril()
 
 
+def _masked(scores: torch.Tensor, causal: bool, mask: torch.Tensor | None) -> torch.Tensor:
+    """``scores [b, h, sq, sk]`` with invisible keys at -inf (causal and/or ``mask``)."""
+    if causal:
+        scores = scores.masked_fill(~_causal_mask(scores.shape[-2], scores.shape[-1], scores.device), float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores
+
+
 class ReferenceKernel:
     name = "reference"
 
-    def forward(self, q, k, v, *, causal, scale):
+    # ``mask`` (optional, bool [sq, sk], True = visible) restricts the keys further: the band
+    # edges of a sliding window (Note [window blocks] in megatron_startrail.layout).
+    def forward(self, q, k, v, *, causal, scale, mask=None):
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         qa, ka, va = q.to(acc), expand_kv_heads(k, q.shape[1]).to(acc), expand_kv_heads(v, q.shape[1]).to(acc)
         # 1. scores S = scale * Q K^T                                  [b, h, sq, sk]
-        scores = torch.matmul(qa, ka.transpose(-1, -2)) * scale
-        if causal:
-            scores = scores.masked_fill(~_causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
+        scores = _masked(torch.matmul(qa, ka.transpose(-1, -2)) * scale, causal, mask)
         # 2. lse = log sum_j exp(S_ij)                                  [b, h, sq]
         lse = torch.logsumexp(scores, dim=-1)
         # 3. P = exp(S - lse) (rows with no visible key get P = 0), O = P V
@@ -46,15 +55,13 @@ class ReferenceKernel:
         out = torch.matmul(probs, va)
         return out.to(q.dtype), lse
 
-    def backward(self, dout, q, k, v, out, lse, *, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, *, causal, scale, mask=None):
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         heads, kv_heads = q.shape[1], k.shape[1]
         qa, ka, va = q.to(acc), expand_kv_heads(k, heads).to(acc), expand_kv_heads(v, heads).to(acc)
         doa, oa, lsea = dout.to(acc), out.to(acc), lse.to(acc)
         # 1. recompute P from the final lse                             [b, h, sq, sk]
-        scores = torch.matmul(qa, ka.transpose(-1, -2)) * scale
-        if causal:
-            scores = scores.masked_fill(~_causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
+        scores = _masked(torch.matmul(qa, ka.transpose(-1, -2)) * scale, causal, mask)
         probs = torch.exp(scores - lsea.masked_fill(lsea.isneginf(), 0).unsqueeze(-1))
         # 2. dV = P^T dO
         dv = torch.matmul(probs.transpose(-1, -2), doa)

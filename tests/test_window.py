@@ -1,0 +1,130 @@
+"""Sliding-window attention (``startrail_attn(..., window_size=(left, right))``) against float64.
+
+Windows shorter than a chunk take the halo exchange (only the neighbours' keys move),
+longer ones the StarTrail schedule with masked and skipped blocks; both must equal dense
+float64 attention with the window mask inside each document, in the dense and both packed
+layouts, for C in {1, 2, 4}, Ulysses x StarTrail, GQA and MLA head dims, forward and
+backward, with padding rows exactly 0. The halo's bytes equal their closed form.
+"""
+
+import pytest
+import torch
+
+from megatron_startrail import new_startrail_groups, startrail_attn
+from megatron_startrail.layout import plan_blocks
+from tests.attention_cases import full_inputs, relative_error
+from tests.multiproc import run_ranks
+from tests.packed_cases import PAD, document_of_positions, held_positions, make_documents
+
+CHUNK, HEADS, DIM = 8, 4, 8
+TOL = 1e-10  # float64 inputs: every path is exact up to rounding
+
+
+def windowed_reference(q, k, v, dout, doc, positions, window, causal, scale):
+    """Float64 attention on ``[s, b, h, d]`` where query i sees key j iff both are of one
+    document (not padding) and ``pos_i - left <= pos_j <= pos_i + right`` (-1: unbounded)."""
+    q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
+    heads, kv_heads, s = q.shape[2], k.shape[2], q.shape[0]
+    kk, vv = (t.repeat_interleave(heads // kv_heads, dim=2) for t in (k, v))
+    left, right = window
+    delta = positions[None, :] - positions[:, None]  # key minus query position
+    mask = (doc[:, None] == doc[None, :]) & (doc[:, None] != PAD)
+    if causal:
+        mask &= delta <= 0
+    if left >= 0:
+        mask &= delta >= -left
+    if right >= 0:
+        mask &= delta <= right
+    real = mask.any(dim=1)
+    mask |= torch.eye(s, dtype=torch.bool) & ~real[:, None]
+    scores = torch.einsum("sbhd,tbhd->bhst", q, kk) * scale
+    out = torch.einsum("bhst,tbhd->sbhd", torch.softmax(scores.masked_fill(~mask, float("-inf")), -1), vv)
+    out = out * real[:, None, None, None]
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+CASES = [
+    # (layout, window, causal): windows < a chunk (halo), between a chunk and the sequence, > the sequence
+    ("dense", (5, 0), True), ("dense", (20, 0), True), ("dense", (1000, 0), True),
+    ("dense", (3, 4), False), ("dense", (30, 11), False),
+    ("sample", (5, 0), True), ("sample", (20, 0), True),
+    ("document", (2, 0), True), ("document", (20, 0), True), ("document", (2, 1), False),
+]
+
+
+def window_worker(rank, world_size, team_size, ulysses, kv_heads, v_dim):
+    groups = new_startrail_groups(team_size=team_size, ulysses_size=ulysses)
+    cp = world_size
+    failures, bytes_seen = [], {}
+    for index, (layout, window, causal) in enumerate(CASES):
+        if layout == "dense":
+            cu = padded = None
+            seq = 2 * cp * CHUNK
+            doc, mine = torch.zeros(seq, dtype=torch.long), held_positions(rank, cp, torch.tensor([0, seq]), None)
+        else:
+            cu, padded = make_documents(cp, CHUNK, layout, seed=30 + index)
+            doc = document_of_positions(cu, padded)
+            mine = held_positions(rank, cp, cu, padded)
+            seq = len(doc)
+        q, k, v, dout = full_inputs(100 + index, seq, 1, HEADS, kv_heads, DIM, torch.float64)
+        v, dout = v[..., :v_dim].contiguous(), dout[..., :v_dim].contiguous()  # MLA: V's own head dim
+        positions = torch.arange(seq)
+        ref = windowed_reference(q, k, v, dout, doc, positions, window, causal, DIM**-0.5)
+        lq, lk, lv = (t[mine].clone().requires_grad_(True) for t in (q, k, v))
+        out = startrail_attn(lq, lk, lv, groups, causal=causal, cu_seqlens=cu, cu_seqlens_padded=padded,
+                             window_size=window)
+        out.backward(dout[mine])
+        case = f"{layout} window={window} causal={causal} C={team_size} U={ulysses} hkv={kv_heads} dv={v_dim}"
+        for name, got, want in zip(("out", "dq", "dk", "dv"), (out, lq.grad, lk.grad, lv.grad), ref):
+            err = relative_error(got, want[mine])
+            if err > TOL:
+                failures.append(f"{case}: {name} error {err:.2e}")
+        padding = doc[mine] == PAD
+        if any(int(t[padding].count_nonzero()) for t in (out, lq.grad, lk.grad, lv.grad)):
+            failures.append(f"{case}: padding rows are not exactly 0")
+        fwd, bwd = groups.last_forward_stats, groups.last_backward_stats
+        bytes_seen[(layout, window, causal)] = (dict(fwd.bytes_sent_by_op), dict(bwd.bytes_sent_by_op))
+    return failures, bytes_seen, groups.cp_rank
+
+
+@pytest.mark.parametrize("world, team_size, ulysses, kv_heads, v_dim", [
+    (4, 1, 1, 2, DIM),         # ring attention's layout
+    (8, 2, 1, 2, DIM),         # StarTrail C = 2, GQA
+    (8, 1, 2, 4, DIM // 2),    # Ulysses 2 x StarTrail, MLA head dims
+    (16, 4, 1, 1, DIM),        # C = 4, MQA
+])
+def test_window_matches_float64_and_the_halo_moves_only_the_window(world, team_size, ulysses, kv_heads, v_dim):
+    results = run_ranks(window_worker, world, args=(team_size, ulysses, kv_heads, v_dim), timeout=600)
+    failures = [f for fails, _, _ in results for f in fails]
+    assert not failures, "\n".join(failures[:30])
+    row_bytes = (DIM + v_dim) * kv_heads * 8  # one K|V row, float64
+    for _, seen, cp_rank in results:
+        # Dense causal window (5, 0) < a chunk: the halo path, the last 5 rows of a chunk to each
+        # existing CP neighbour, and their dK|dV back; no StarTrail phase runs.
+        fwd, bwd = seen[("dense", (5, 0), True)]
+        neighbours = int(cp_rank > 0) + int(cp_rank < world - 1)
+        assert fwd == {"halo": 5 * row_bytes * neighbours}, fwd
+        assert bwd == {"halo_grad": 5 * row_bytes * neighbours}, bwd  # float64 gradients
+        # A window longer than a chunk runs the StarTrail schedule.
+        fwd, _ = seen[("dense", (20, 0), True)]
+        assert "halo" not in fwd and ("sub_ring" in fwd or "init_send" in fwd or "team_all_gather" in fwd), fwd
+
+
+def test_blocks_outside_the_window_make_no_kernel_call():
+    """Two chunks of 64 far apart (positions 0.. and 1000..): with a 32-token window no block;
+    with the chunk adjacent, only the band's edge; the count of visible pairs is exact."""
+    q = ((0, 1000, 1064),)
+    assert plan_blocks(q, ((0, 0, 64),), True, (32, 0)) == ()
+    blocks = plan_blocks(q, ((0, 936, 1000),), True, (32, 0))
+    assert all(b.q_rows[1] <= 32 for b in blocks)  # queries 1032.. see none of these keys: no rows for them
+    visible = 0
+    for b in blocks:
+        sq, sk = b.q_rows[1] - b.q_rows[0], sum(y - x for x, y in b.k_rows)
+        if b.band is None:
+            visible += sq * sk
+            continue
+        offset, lo, hi = b.band
+        delta = torch.arange(sk)[None, :] + offset - torch.arange(sq)[:, None]
+        visible += int(((delta >= lo) & (delta <= hi)).sum())
+    assert visible == sum(32 - i for i in range(32))  # query 1000 + i sees keys 1000 + i - 32 .. 999
