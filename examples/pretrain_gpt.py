@@ -42,7 +42,16 @@ import importlib.util
 import os
 import sys
 
-import torch
+from megatron_startrail.megatron.rank_output import (
+    bad_flags_reported_once,
+    quiet_repeated_warnings,
+    raise_flag_error,
+)
+
+# Before torch and Megatron are imported: their import-time warnings would come once per rank.
+quiet_repeated_warnings()
+
+import torch  # noqa: E402
 
 CPU_ONLY = not torch.cuda.is_available()
 if CPU_ONLY:
@@ -93,6 +102,8 @@ DEFAULT_SPLIT = "12,1,0"  # the licenses: 12 documents to train on, the last one
 def add_example_args(parser):
     """The StarTrail flags and this example's defaults for Megatron's flags."""
     add_startrail_args(parser)
+    # A rejected flag raises (one line, see __main__) instead of printing Megatron's whole usage.
+    parser.error = raise_flag_error
     parser.set_defaults(
         tokenizer_type="NullTokenizer", vocab_size=make_indexed_dataset.VOCAB_SIZE, position_embedding_type="rope",
         attention_dropout=0.0, hidden_dropout=0.0, eval_iters=0, eval_interval=1000, num_workers=0,
@@ -342,12 +353,16 @@ def _use_prebuilt_dataset_helpers() -> None:
     dataset_utils.compile_helpers = lambda: None
 
 
-def main(argv=None) -> None:
+def parse_command_line(argv=None):
+    """The parsed and validated flags (``argv`` replaces the command line's)."""
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
     if CPU_ONLY:
         cpu_patches.apply()
-    args = parse_arguments()
+    return parse_arguments()
+
+
+def train(args) -> None:
     initialize_parallel(args)
     _use_prebuilt_dataset_helpers()
     log_tokens_per_second(args.seq_length)
@@ -358,5 +373,13 @@ def main(argv=None) -> None:
     )
 
 
+def main(argv=None) -> None:
+    """Parse and train; a bad flag raises on every rank (what tests call)."""
+    train(parse_command_line(argv))
+
+
 if __name__ == "__main__":
-    main()
+    # From the command line a bad flag is one line from rank 0, not a traceback or usage per rank.
+    with bad_flags_reported_once():
+        parsed = parse_command_line()
+    train(parsed)
