@@ -16,6 +16,7 @@ Modules:
 - ``layer_specs``    a GPT layer / block spec with StarTrail core attention
 - ``from_args``      every StarTrail flag applied to a layer spec (the example and patches/ call it)
 - ``training_log``   tokens/s on ``megatron.training``'s iteration lines
+- ``rank_output``    start-up output once, not once per rank: warnings, a bad flag's error line
 - ``cpu_patches``    megatron-core on a CPU-only PyTorch (never used when a GPU is present)
 
 Nothing is imported here, so that ``cpu_patches.install_import_shims()`` can run before
