@@ -10,10 +10,11 @@
 Megatron's own training program: ``megatron.training.arguments.parse_args`` with the
 StarTrail flags added through ``extra_args_provider``, then ``megatron.training.pretrain``
 (DDP, the Megatron optimizer and LR schedule, the pipeline schedules, its data loader and
-its ``training_log`` lines, plus tokens/s). The only StarTrail-specific steps are here in
-:func:`initialize_parallel` (groups built once, right after ``initialize_model_parallel``)
-and :func:`model_provider` (the layer spec with StarTrail core attention and, for packed
-documents, the sample-layout RoPE of ``megatron_startrail.megatron.packed_rope``).
+its ``training_log`` lines, plus tokens/s). The only StarTrail-specific step is in
+:func:`model_provider`: ``startrail_spec_from_args`` (shared with the Megatron-LM patch in
+``patches/``) builds the StarTrail groups once and returns the layer spec with StarTrail core
+attention and, for packed documents, the sample-layout RoPE of
+``megatron_startrail.megatron.packed_rope``.
 
 Runs on GPUs (nccl, Transformer Engine spec when ``--transformer-impl
 transformer_engine``) and on CPU-only machines (gloo, local spec, with
@@ -41,7 +42,16 @@ import importlib.util
 import os
 import sys
 
-import torch
+from megatron_startrail.megatron.rank_output import (
+    bad_flags_reported_once,
+    quiet_repeated_warnings,
+    raise_flag_error,
+)
+
+# Before torch and Megatron are imported: their import-time warnings would come once per rank.
+quiet_repeated_warnings()
+
+import torch  # noqa: E402
 
 CPU_ONLY = not torch.cuda.is_available()
 if CPU_ONLY:
@@ -78,8 +88,8 @@ from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_l
 
 from megatron_startrail.megatron.arguments import add_startrail_args, validate_startrail_args  # noqa: E402
 from megatron_startrail.megatron.core_attention import LocalMLACoreAttention  # noqa: E402
-from megatron_startrail.megatron.layer_specs import to_startrail_spec, with_core_attention  # noqa: E402
-from megatron_startrail.megatron.parallel_state import initialize_startrail  # noqa: E402
+from megatron_startrail.megatron.from_args import megatron_rank_order, startrail_spec_from_args  # noqa: E402
+from megatron_startrail.megatron.layer_specs import with_core_attention  # noqa: E402
 from megatron_startrail.megatron.training_log import log_tokens_per_second  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -92,6 +102,8 @@ DEFAULT_SPLIT = "12,1,0"  # the licenses: 12 documents to train on, the last one
 def add_example_args(parser):
     """The StarTrail flags and this example's defaults for Megatron's flags."""
     add_startrail_args(parser)
+    # A rejected flag raises (one line, see __main__) instead of printing Megatron's whole usage.
+    parser.error = raise_flag_error
     parser.set_defaults(
         tokenizer_type="NullTokenizer", vocab_size=make_indexed_dataset.VOCAB_SIZE, position_embedding_type="rope",
         attention_dropout=0.0, hidden_dropout=0.0, eval_iters=0, eval_interval=1000, num_workers=0,
@@ -150,8 +162,8 @@ def parse_arguments():
     return args
 
 
-def initialize_parallel(args):
-    """torch.distributed, Megatron's grid, then the StarTrail groups of every CP group, once."""
+def initialize_parallel(args) -> None:
+    """torch.distributed and Megatron's grid (the StarTrail groups come with the layer spec)."""
     if not dist.is_initialized():
         if not CPU_ONLY:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -159,7 +171,6 @@ def initialize_parallel(args):
             args.distributed_backend, world_size=args.world_size, rank=args.rank,
             timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
         )
-    order = "tp-cp-ep-pp-dp" if args.use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp"
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
@@ -169,25 +180,14 @@ def initialize_parallel(args):
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         distributed_timeout_minutes=args.distributed_timeout_minutes,
-        order=order,
+        order=megatron_rank_order(args),
         create_gloo_process_groups=args.use_gloo_process_groups,
     )
     # pretrain() seeds this too, but only when it finds a GPU.
     model_parallel_cuda_manual_seed(args.seed + 100 * parallel_state.get_pipeline_model_parallel_rank())
-    if args.context_parallel_algo == "megatron":
-        return None
-    groups = initialize_startrail(
-        args.startrail_team_size, args.ulysses_degree_in_cp, order=order,
-        backward_rotation=args.startrail_backward_rotation, kernel=args.startrail_kernel,
-        timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
-    )
-    if dist.get_rank() == 0:
-        print(f"> {args.context_parallel_algo}: {groups.describe()}, transfer {args.startrail_transfer}", flush=True)
-    return groups
 
 
-def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None,
-                   *, startrail_groups=None):
+def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
     """GPTModel with Megatron's layer spec, its core attention swapped for StarTrail's."""
     args = get_args()
     config = config or core_transformer_config_from_args(args)
@@ -197,9 +197,10 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization,
                                         multi_latent_attention=mla)
-    if startrail_groups is not None:
-        spec = to_startrail_spec(spec, startrail_groups, transfer=args.startrail_transfer,
-                                 regather_in_backward=args.startrail_regather_in_backward)
+    if args.context_parallel_algo != "megatron":
+        # Every StarTrail flag reaches the model through this one call, shared with patches/
+        # (the StarTrail groups are built on the first call, on every rank, in the same order).
+        spec = startrail_spec_from_args(spec, args)
     elif mla and args.transformer_impl == "local":  # Megatron's local core attention takes no MLA head dims
         spec = with_core_attention(spec, LocalMLACoreAttention)
     return GPTModel(
@@ -352,21 +353,33 @@ def _use_prebuilt_dataset_helpers() -> None:
     dataset_utils.compile_helpers = lambda: None
 
 
-def main(argv=None) -> None:
+def parse_command_line(argv=None):
+    """The parsed and validated flags (``argv`` replaces the command line's)."""
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
     if CPU_ONLY:
         cpu_patches.apply()
-    args = parse_arguments()
-    groups = initialize_parallel(args)
+    return parse_arguments()
+
+
+def train(args) -> None:
+    initialize_parallel(args)
     _use_prebuilt_dataset_helpers()
     log_tokens_per_second(args.seq_length)
     pretrain(
         pretrain_cfg_container_from_args(args), datasets_provider, ModelType.encoder_or_decoder, forward_step,
-        model_provider=functools.partial(model_provider, startrail_groups=groups),
-        skip_model_parallel_init=True,  # done above, with the StarTrail groups
+        model_provider=model_provider,
+        skip_model_parallel_init=True,  # done above
     )
 
 
+def main(argv=None) -> None:
+    """Parse and train; a bad flag raises on every rank (what tests call)."""
+    train(parse_command_line(argv))
+
+
 if __name__ == "__main__":
-    main()
+    # From the command line a bad flag is one line from rank 0, not a traceback or usage per rank.
+    with bad_flags_reported_once():
+        parsed = parse_command_line()
+    train(parsed)

@@ -17,12 +17,14 @@ import multiprocessing as mp
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
 import torch.distributed as dist
 
-from tests.megatron.example import pretrain_gpt
+from tests.megatron.example import ROOT, pretrain_gpt
 
 
 COMMON = [
@@ -123,3 +125,24 @@ def test_killed_rank_makes_every_other_rank_fail_within_the_timeout():
     for rank, (kind, message, initialized, end) in reports.items():
         assert initialized and kind not in ("finished", "killed"), (rank, kind, message)
         assert end - killed_at <= 60 * timeout_minutes, (rank, kind, message, end - killed_at)
+
+
+
+@pytest.mark.parametrize("flags, error", [
+    (["--context-parallel-algo", "ringg"], "argument --context-parallel-algo: invalid choice: 'ringg'"),
+    (["--context-parallel-size", "2", "--startrail-team-size", "2"],
+     "--startrail-team-size 2 does not fit a StarTrail group of 2 ranks"),
+], ids=["argparse", "validation"])
+def test_a_bad_flag_prints_one_error_line_from_rank_0_under_torchrun(flags, error):
+    # The command a user runs, on 2 ranks: both hit the same bad flag, but its line comes out
+    # once, from rank 0, with no usage dump (argparse's, about 700 lines) and no traceback per rank.
+    example = os.path.join(ROOT, "examples", "pretrain_gpt.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", example,
+           *COMMON, "--train-iters", "2", *flags]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT=str(_free_port()))
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
+    out = res.stdout + res.stderr
+    assert res.returncode != 0, out[-3000:]
+    lines = [line for line in out.splitlines() if error in line]
+    assert len(lines) == 1 and lines[0].startswith("pretrain_gpt.py: error: "), out[-3000:]
+    assert "usage:" not in out and f'{example}", line' not in out, out[-3000:]

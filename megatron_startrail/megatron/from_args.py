@@ -1,0 +1,83 @@
+"""Parsed Megatron flags -> the StarTrail layer spec: the one place every StarTrail flag that
+changes the model is read.
+
+Both programs that train with StarTrail call :func:`startrail_spec_from_args`:
+``examples/pretrain_gpt.py`` (its ``model_provider``) and Megatron-LM's own
+``pretrain_gpt.py`` with ``patches/`` applied (its ``GPTModelConfig.transformer_layer_spec``).
+So a flag added to ``arguments.py`` reaches the core attention of both once it is read
+here, and neither caller can forget one (the patch once silently dropped
+``--startrail-regather-in-backward`` because it listed the flags itself).
+
+Flags read:
+
+- the StarTrail groups: ``--startrail-team-size``, ``--ulysses-degree-in-cp``,
+  ``--startrail-backward-rotation``, ``--startrail-kernel`` (and Megatron's rank order,
+  ``--use-tp-pp-dp-mapping``, its ``--distributed-timeout-minutes`` and
+  ``--nccl-communicator-config-path``, as for Megatron's own groups);
+- the core attention: ``--startrail-transfer``, ``--startrail-regather-in-backward``.
+
+Call after ``validate_startrail_args`` (it resolves ``auto`` team sizes, ``tasp`` and the
+memory limit into these flags) and after ``initialize_model_parallel``.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from ..groups import StarTrailGroups
+from .layer_specs import to_startrail_spec
+from .parallel_state import initialize_startrail
+
+# (Megatron's CP group, the options, the groups built for them). Megatron keeps its process
+# groups in module globals; the StarTrail groups live exactly as long: rebuilt only when
+# Megatron's parallel state was re-initialized (a new CP group object) or the options change.
+# Holding the CP group object also keeps its id from being reused by a later one.
+_built: tuple[object, dict, StarTrailGroups] | None = None
+
+
+def megatron_rank_order(args) -> str:
+    """The rank order Megatron's ``initialize_model_parallel`` was given for these flags
+    (``megatron.training.initialize``'s rule)."""
+    return "tp-cp-ep-pp-dp" if getattr(args, "use_tp_pp_dp_mapping", False) else "tp-cp-ep-dp-pp"
+
+
+def _nccl_comm_cfgs(path: str | None) -> dict:
+    """``--nccl-communicator-config-path``'s YAML, as Megatron reads it for its own groups."""
+    if not path:
+        return {}
+    import yaml  # noqa: PLC0415 - only with the flag, as in Megatron
+
+    with open(path) as f:
+        return yaml.safe_load(f) or {}
+
+
+def startrail_groups_from_args(args) -> StarTrailGroups:
+    """The StarTrail groups for the parsed flags: built on the first call (collective: every
+    rank calls it in the same order, as Megatron builds models), reused after that."""
+    global _built
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("call parallel_state.initialize_model_parallel before building the StarTrail layer spec")
+    options = dict(
+        team_size=args.startrail_team_size, ulysses_size=args.ulysses_degree_in_cp, order=megatron_rank_order(args),
+        backward_rotation=args.startrail_backward_rotation, kernel=args.startrail_kernel,
+        timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
+        nccl_comm_cfgs=_nccl_comm_cfgs(getattr(args, "nccl_communicator_config_path", None)),
+    )
+    cp_group = parallel_state.get_context_parallel_group()
+    if _built is None or _built[0] is not cp_group or _built[1] != options:
+        groups = initialize_startrail(**options)
+        _built = (cp_group, options, groups)
+        if dist.get_rank() == 0:
+            print(f"> {args.context_parallel_algo}: {groups.describe()}, transfer {args.startrail_transfer}, "
+                  f"regather in backward {'on' if args.startrail_regather_in_backward else 'off'}", flush=True)
+    return _built[2]
+
+
+def startrail_spec_from_args(spec, args):
+    """A copy of Megatron's layer or block ``spec`` with StarTrail core attention configured
+    by every StarTrail flag in ``args`` (see the module docstring for the list)."""
+    return to_startrail_spec(spec, startrail_groups_from_args(args), transfer=args.startrail_transfer,
+                             regather_in_backward=args.startrail_regather_in_backward)
