@@ -23,9 +23,10 @@ NVLINK_EFFICIENCY, IB_EFFICIENCY, TCP_ETHERNET_EFFICIENCY, GPU_OVERLAP = 0.9, 0.
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    """Topology and speeds. The defaults are the ``DEFAULT_CLUSTER`` preset, "h100-nvlink-8x400ib": H100 SXM,
-    8 per node on NVLink 4 (450 GB/s per GPU), 8 x 400 Gbit/s InfiniBand per node (400 GB/s),
-    both at 90 % of line rate; bf16 FlashAttention-2 at 350 TFLOP/s; overlap 0.7."""
+    """Topology and speeds. The defaults are the default preset, ``DEFAULT_CLUSTER`` =
+    "h100-nvlink-8x400ib": H100 SXM, 8 per node on NVLink 4 (450 GB/s per GPU), 8 x 400 Gbit/s
+    InfiniBand per node (400 GB/s), both at 90 % of line rate; bf16 FlashAttention-2 at
+    350 TFLOP/s; overlap 0.7."""
 
     nodes: int
     gpus_per_node: int = 8
