@@ -5,6 +5,8 @@ at once, each figure the median of 5 repeats (the machine is shared: one repeat 
 by someone else's load), so each number is what a rank gets while every other rank is busy too -- the
 state the attention runs in. Nothing here looks at the attention's timings: the planner
 is calibrated per cluster, then compared with the attention rows it never saw.
+benchmarks/testbed_model.py builds the planner's cluster (the test bed's preset) from
+these figures.
 
 * ``step_latency_s``: a tiny ring exchange over all ranks (process scheduling as much
   as the network on a shared CPU), per exchange of 20 run back to back.

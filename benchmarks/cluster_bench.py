@@ -26,25 +26,17 @@ sys.path.insert(0, os.path.dirname(HERE))
 from benchmarks.netns_cluster import EmulatedCluster, check_requirements  # noqa: E402
 from benchmarks.peer_models import predict_torch_ring  # noqa: E402
 from benchmarks.ranking import check_ranking  # noqa: E402
+from benchmarks.testbed_model import testbed_cluster  # noqa: E402
 from benchmarks.timeline_report import phase_summary, phase_table, plot_timeline  # noqa: E402
-from megatron_startrail.planner import ClusterSpec, Workload, predict  # noqa: E402
+from megatron_startrail.cluster import ClusterSpec  # noqa: E402
+from megatron_startrail.planner import Workload, predict  # noqa: E402
 from megatron_startrail.topology import valid_team_sizes  # noqa: E402
 
 
-def cluster_spec(args, rate_mbit: float, calibration: dict) -> ClusterSpec:
-    """The planner's view of this emulated cluster, from what the ranks measured on it
-    (benchmarks/calibration.py) before any attention ran: effective inter- and intra-node
-    rates, step latency, attention rate per rank under contention, overlap."""
-    latency = calibration["step_latency_s"]
-    return ClusterSpec(
-        nodes=args.nodes, gpus_per_node=args.ranks_per_node,
-        intra_node_gbs=calibration.get("intra_node_gbs", 1.0),
-        inter_node_gbs=calibration.get("inter_node_gbs", rate_mbit / 8 / 1000), nics_per_node=1,
-        inter_node_duplex_gbs=calibration.get("inter_node_duplex_gbs"),
-        intra_latency_s=latency, inter_latency_s=latency, collective_latency_s=calibration.get("collective_latency_s"),
-        attention_tflops=calibration["attention_tflops"],
-        overlap=calibration.get("overlap", 1.0), inter_node_mesh=args.topology == "full_mesh",
-    )
+def cluster_spec(args, rate_mbit: float, calibration: dict, gloo_rules: bool = True) -> ClusterSpec:
+    """The planner's view of this emulated cluster (benchmarks/testbed_model.py)."""
+    return testbed_cluster(calibration, args.nodes, args.ranks_per_node, rate_mbit, args.topology == "full_mesh",
+                           gloo_rules)
 
 
 def workload(args) -> Workload:
@@ -52,9 +44,10 @@ def workload(args) -> Workload:
                     4 if args.dtype == "float32" else 2, not args.no_causal)
 
 
-def predictions(args, rate_mbit: float, configs: list[dict], calibration: dict) -> dict[str, float]:
+def predictions(args, rate_mbit: float, configs: list[dict], calibration: dict,
+                gloo_rules: bool = True) -> dict[str, float]:
     """The planner's predicted time (ms) per configuration on this emulated cluster."""
-    cluster, work = cluster_spec(args, rate_mbit, calibration), workload(args)
+    cluster, work = cluster_spec(args, rate_mbit, calibration, gloo_rules), workload(args)
     world = args.nodes * args.ranks_per_node
     out = {}
     for c in configs:

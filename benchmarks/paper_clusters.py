@@ -4,21 +4,10 @@ StarTrail-2 and StarTrail-4 it predicts fastest, per cluster and workload.
     python benchmarks/paper_clusters.py            # prints the Markdown tables
 
 Nothing here is measured (we have none of these clusters); every input is a public
-figure or a stated assumption:
-
-* line rates: H100 SXM, NVLink 4 (450 GB/s per direction per GPU), 8 x 400 Gbit/s
-  InfiniBand per node (400 GB/s); A100 40GB, NVLink 3 (300 GB/s), one 100 Gbit/s
-  Ethernet link per node (12.5 GB/s, the paper's Google Cloud nodes).
-* effective rates (what NCCL delivers): assumed 90 % of line rate for NVLink and
-  InfiniBand (RDMA), 50 % for 100 GbE through NCCL's TCP sockets (no RDMA), which
-  typically runs far below line rate.
-* overlap (the planner's ``overlap``: how much of a step's transfer hides behind its
-  compute): assumed 0.7 on GPUs, where NCCL's kernels take SMs and memory bandwidth
-  from the attention kernel they overlap with. On the emulated CPU cluster it is
-  measured (benchmarks/calibration.py); here it is not, so the second table shows the
-  winner for overlap 1.0 / 0.7 / 0.5 and Ethernet at 100 % / 50 % of line rate.
-* attention rates (bf16, FlashAttention-2, forward + backward): 350 TFLOP/s on H100,
-  170 TFLOP/s on A100.
+figure or a stated assumption, and the clusters are the package's presets
+(megatron_startrail/cluster.py, which gives the line rates, efficiencies, overlap and
+kernel rates). The second table shows the winner for overlap 1.0 / 0.7 / 0.5 and
+Ethernet at 100 % / 50 % of line rate, the two assumptions it depends on most.
 
 Every run uses 32 GPUs (Figure 7), context parallel size 32, batch 1, bf16, causal for
 GPT and unmasked for DiT. Attention cost depends only on the hidden size (heads x head
@@ -36,23 +25,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_startrail.planner import BACKWARD_FLOPS_RATIO, ClusterSpec, Workload, predict  # noqa: E402
+from megatron_startrail.cluster import GPU_OVERLAP, TCP_ETHERNET_EFFICIENCY, ClusterSpec, preset  # noqa: E402
+from megatron_startrail.planner import BACKWARD_FLOPS_RATIO, Workload, predict  # noqa: E402
 
-NVLINK_EFFICIENCY, IB_EFFICIENCY, ETHERNET_EFFICIENCY, GPU_OVERLAP = 0.9, 0.9, 0.5, 0.7
-
-
-def _a100_ethernet(gpus_per_node: int) -> dict:
-    """The paper's A100 nodes (Google Cloud): NVLink 3 inside, one 100 Gbit/s Ethernet link out."""
-    return dict(gpus_per_node=gpus_per_node, intra_node_gbs=300 * NVLINK_EFFICIENCY,
-                inter_node_gbs=12.5 * ETHERNET_EFFICIENCY, nics_per_node=1, attention_tflops=170,
-                overlap=GPU_OVERLAP)
-
-
-CLUSTERS = {
-    "H100 8 GPU/node, 8x400Gbps IB": dict(gpus_per_node=8, intra_node_gbs=450 * NVLINK_EFFICIENCY,
-                                          inter_node_gbs=400 * IB_EFFICIENCY, nics_per_node=8,
-                                          attention_tflops=350, overlap=GPU_OVERLAP),
-    **{f"A100 {n} GPU/node, 100Gbps Eth": _a100_ethernet(n) for n in (16, 8, 4)},
+ETHERNET_LINE_GBS = 12.5  # 100 Gbit/s
+CLUSTERS = {  # label: preset
+    "H100 8 GPU/node, 8x400Gbps IB": "h100-nvlink-8x400ib",
+    **{f"A100 {n} GPU/node, 100Gbps Eth": f"a100-{n}gpu-100gbe" for n in (16, 8, 4)},
 }
 WORKLOADS = {  # name: (workload, hidden size)
     "GPT-3B/7B, 128K": (Workload(131072, heads=32, kv_heads=32, head_dim=128, causal=True), 4096),
@@ -70,8 +49,8 @@ def other_layer_work_s(cluster: ClusterSpec, work: Workload, hidden: int) -> flo
 
 
 def rows(overrides: dict | None = None):
-    for cname, c in CLUSTERS.items():
-        cluster = ClusterSpec(nodes=GPUS // c["gpus_per_node"], **c)
+    for cname, name in CLUSTERS.items():
+        cluster = preset(name, GPUS // preset(name, 1).gpus_per_node)
         if overrides:
             cluster = dataclasses.replace(cluster, **overrides(cluster))
         for wname, (work, hidden) in WORKLOADS.items():
@@ -94,13 +73,13 @@ def main() -> None:
         print(f"| {cname} | {wname} | {t[1]:.1f} | {t[2]:.1f} | {t[4]:.1f} | {winner(best)} | "
               f"{t[1] / t[best]:.2f}x | {(t[1] + other) / (t[best] + other):.2f}x |")
     print()
-    settings = [(ov, eth) for ov in (1.0, GPU_OVERLAP, 0.5) for eth in (1.0, ETHERNET_EFFICIENCY)]
+    settings = [(ov, eth) for ov in (1.0, GPU_OVERLAP, 0.5) for eth in (1.0, TCP_ETHERNET_EFFICIENCY)]
     print("| cluster | workload | " + " | ".join(f"overlap {ov:g}, Eth {eth:.0%}" for ov, eth in settings) + " |")
     print("|---|---|" + "---|" * len(settings))
     winners: dict = {}
     for ov, eth in settings:
         def change(cluster, ov=ov, eth=eth):
-            rate = cluster.inter_node_gbs if cluster.nics_per_node > 1 else 12.5 * eth
+            rate = cluster.inter_node_gbs if cluster.nics_per_node > 1 else ETHERNET_LINE_GBS * eth
             return {"overlap": ov, "inter_node_gbs": rate}
 
         for cname, wname, _, _, _, preds, best in rows(change):

@@ -24,14 +24,9 @@ Two facts of gloo priced here (the project's own model has no use for them):
 
 from __future__ import annotations
 
-from megatron_startrail.planner import (
-    BACKWARD_FLOPS_RATIO,
-    ClusterSpec,
-    Workload,
-    _exchange_time,
-    overlapped_steps,
-    ring_streams,
-)
+from benchmarks.testbed_model import ring_streams
+from megatron_startrail.cluster import ClusterSpec
+from megatron_startrail.planner import BACKWARD_FLOPS_RATIO, Workload, overlapped_steps
 
 # Inter-node bytes on the wire of one empty gloo message (framing, TCP/IP headers, ACKs),
 # measured by benchmarks/rotation_probe.py (results/rotation_probe*.md: 536, 540 and 537
@@ -72,7 +67,7 @@ def predict_torch_ring(cluster: ClusterSpec, work: Workload, cp_size: int, rotat
     # PyTorch rotates with an all-to-all over all ranks (permute_tensor), a collective,
     # not a buffered send to one neighbour; still, measured on the emulated cluster it
     # moves at the link's rate like the project's ring (benchmarks/README.md, planner
-    # validation), so it is priced as a streaming ring (planner.ring_streams): the
+    # validation), so it is priced as a streaming ring (testbed_model.ring_streams): the
     # inter-node latency once per phase, with its first transfer. Each call adds its
     # empty messages' bytes.
     streaming = ring_streams(cluster, [list(range(p))])
@@ -81,7 +76,7 @@ def predict_torch_ring(cluster: ClusterSpec, work: Workload, cp_size: int, rotat
 
     def hop(nbytes: float, inter_latency: bool = not streaming) -> float:
         ring = [(r, (r + 1) % p, nbytes) for r in range(p)]
-        return _exchange_time(cluster, ring, inter_latency)[0] + call_overhead
+        return cluster.exchange_time(ring, inter_latency)[0] + call_overhead
 
     kv_hop, dkv_hop = hop(kv_bytes), hop(dkv_bytes)
     if rotate_method == "allgather":
@@ -89,8 +84,7 @@ def predict_torch_ring(cluster: ClusterSpec, work: Workload, cp_size: int, rotat
         ring = [(r, (r + 1) % p, (p - 1) * kv_bytes) for r in range(p)]
         crosses = any(cluster.node_of(r) != cluster.node_of((r + 1) % p) for r in range(p))
         hop_latency = cluster.inter_latency_s if crosses else cluster.intra_latency_s
-        gather = (_exchange_time(cluster, ring, inter_latency=False)[0]
-                  + max(hop_latency, cluster.collective_latency_s or 0.0))
+        gather = cluster.exchange_time(ring, latency=False)[0] + cluster.call_latency(hop_latency, True)
         fwd_flying = [gather] + [0.0] * (p - 1)
         bwd_flying = [gather] + [dkv_hop + phase_latency] + [dkv_hop] * (p - 2)  # dK, dV ring
     elif rotate_method == "alltoall":

@@ -7,7 +7,9 @@ rates, step latency, attention rate under contention, overlap) and the planner p
 every configuration from those numbers alone; no attention timing went into any
 prediction (the model's structure did learn from earlier runs: benchmarks/README.md says
 which runs came after which change). Predictions are recomputed here from each run's
-stored calibration with the current planner (cluster_bench.predictions). Writes OUT.md (per row: measured, predicted,
+stored calibration with the current planner and the test bed's preset
+(benchmarks/testbed_model.py; ``--without-gloo-rules``: the package's model alone on the
+same figures). Writes OUT.md (per row: measured, predicted,
 error, within 20 %; per cluster: rankings, strict (medians) and up to noise, see
 benchmarks/ranking.py), OUT.json and OUT.png (predicted vs measured).
 """
@@ -27,14 +29,14 @@ from benchmarks.ranking import MATERIAL_GAP, check_ranking  # noqa: E402
 TOLERANCE = 0.20
 
 
-def load(paths: list[str]) -> list[dict]:
+def load(paths: list[str], gloo_rules: bool = True) -> list[dict]:
     rows = []
     for path in paths:
         run = json.load(open(path))
         args = parser().parse_args(run["argv"][1:])
         for rate in dict.fromkeys(r["rate_mbit"] for r in run["results"]):
             measured = [r for r in run["results"] if r["rate_mbit"] == rate]
-            predicted = predictions(args, rate, measured, measured[0]["calibration"])
+            predicted = predictions(args, rate, measured, measured[0]["calibration"], gloo_rules)
             for r in measured:
                 rows.append({**{k: r[k] for k in ("name", "rate_mbit", "nodes", "ranks_per_node", "time_ms_median",
                                                    "time_ms", "calibration")},
@@ -118,8 +120,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", help="JSON outputs of cluster_bench.py")
     p.add_argument("--out", required=True)
+    p.add_argument("--without-gloo-rules", action="store_true",
+                   help="price with the package's model alone (benchmarks/testbed_model.py's rules left out)")
     args = p.parse_args()
-    rows = load(args.runs)
+    rows = load(args.runs, gloo_rules=not args.without_gloo_rules)
     text = report(rows)
     with open(args.out + ".md", "w") as f:
         f.write(text + "\n")

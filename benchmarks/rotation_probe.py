@@ -99,7 +99,7 @@ def per_message(rows: list[dict], message_bytes: int, crossing: int) -> dict:
 def main() -> None:
     from benchmarks.netns_cluster import EmulatedCluster  # noqa: PLC0415
     from benchmarks.peer_models import empty_messages_crossing  # noqa: PLC0415
-    from megatron_startrail.planner import ClusterSpec  # noqa: PLC0415
+    from megatron_startrail.cluster import ClusterSpec  # noqa: PLC0415
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nodes", type=int, default=2)

@@ -1,216 +1,241 @@
-"""The planner's cost model: what it counts, and the choices it makes."""
+"""The planner against the accounting's closed forms and the committed measurements.
+
+No expected time below is a constant copied from the model: each is derived here from
+the closed forms of megatron_startrail/accounting.py, from FLOPs, bytes and link rates, or
+read from the benchmark runs committed under benchmarks/results/.
+"""
+
+import glob
+import json
+import os
+from dataclasses import dataclass, field
 
 import pytest
 
-from megatron_startrail.planner import ClusterSpec, Workload, choose_team_size, plan, predict
-from megatron_startrail.topology import valid_team_sizes
+from benchmarks.cluster_bench import cluster_spec, parser, workload
+from benchmarks.planner_validation import TOLERANCE, cluster_key, load
+from benchmarks.ranking import check_ranking
+from megatron_startrail.accounting import AttentionShape, expected_comm, kept_for_backward_bytes
+from megatron_startrail.cluster import DEFAULT_CLUSTER, IB_EFFICIENCY, ClusterSpec, preset
+from megatron_startrail.planner import (
+    BACKWARD_FLOPS_RATIO,
+    Workload,
+    choose_plan,
+    choose_team_size,
+    cluster_from_args,
+    overlapped_steps,
+    plan,
+    predict,
+)
+from megatron_startrail.planner import parser as planner_parser
+from megatron_startrail.topology import StarTrailTopology, valid_team_sizes
+from megatron_startrail.transfer import sub_ring_lanes
 
+RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
+# The runs of benchmarks/README.md's "Planner vs measurement" (its planner_validation.json lists them).
+VALIDATION_RUNS = [os.path.join(RESULTS, os.path.basename(p))
+                   for p in json.load(open(os.path.join(RESULTS, "planner_validation.json")))["runs"]]
 WORK = Workload(seq_length=8192, heads=4, kv_heads=4, head_dim=32, batch=1, dtype_bytes=4, causal=True)
 
 
-def slow_link_cluster(nodes, per_node, **kw):
-    return ClusterSpec(nodes=nodes, gpus_per_node=per_node, intra_node_gbs=1.0, inter_node_gbs=50 / 8 / 1000,
-                       **{"nics_per_node": 1, "attention_tflops": 0.01, **kw})
+@dataclass(frozen=True)
+class Recording(ClusterSpec):
+    """A cluster that logs what the planner prices: P2P rounds as ``(src, dst, bytes)``
+    and collectives as ``(groups, bytes per rank)`` (a collective's bandwidth ring is not logged)."""
+
+    p2p: list = field(default_factory=list, compare=False)
+    collectives: list = field(default_factory=list, compare=False)
+
+    def exchange_time(self, sends, latency=True):
+        sends = list(sends)
+        self.p2p.extend(s for s in sends if s[0] != s[1] and s[2])
+        return super().exchange_time(sends, latency)
+
+    def collective_time(self, groups, bytes_per_rank, calls=1, ring=True):
+        logged = len(self.p2p)
+        out = super().collective_time(groups, bytes_per_rank, calls, ring)
+        del self.p2p[logged:]
+        self.collectives.append((groups, bytes_per_rank))
+        return out
 
 
-def test_inter_node_bytes_are_the_implementations():
-    # 2 nodes x 4 ranks, causal fp32, 8192 tokens, 4 heads of 32: the benchmark measured
-    # 44 MiB (ring) and 16 MiB (C=2) crossing nodes per forward+backward, both nodes together.
-    cluster = slow_link_cluster(2, 4)
-    mib = 2**20
-    assert predict(cluster, WORK, 8, 1).internode_bytes * 2 == pytest.approx(44 * mib)
-    assert predict(cluster, WORK, 8, 2).internode_bytes * 2 == pytest.approx(16 * mib)
+def shape_of(work: Workload, cp_size: int) -> AttentionShape:
+    return AttentionShape(work.seq_length // cp_size, work.batch, work.heads, work.kv_heads, work.head_dim,
+                          work.dtype_bytes, v_head_dim=work.v_head_dim)
 
 
-def test_slow_inter_node_link_prefers_teams_that_keep_rings_inside_nodes():
-    cluster = slow_link_cluster(2, 8)
-    ranking = [p.name for p in plan(cluster, WORK, 16, transfers=("ring",))]
-    assert ranking.index("startrail-2") < ranking.index("ring")
-    assert choose_team_size(cp_size=16, ulysses_size=1, gpus_per_node=8, seq_length=8192, num_heads=4,
-                            num_kv_heads=4, head_dim=32, micro_batch_size=1, dtype_bytes=4, cluster=cluster) == 2
+def accounted(work, cp_size, c, u, regather, key, pos):
+    """Forward + backward ``key`` of StarTrail position ``pos`` in the closed forms."""
+    comm = expected_comm(shape_of(work, cp_size), cp_size=cp_size, team_size=c, ulysses_size=u,
+                         startrail_rank=pos, regather_in_backward=regather)
+    return comm["forward"][key] + comm["backward"][key]
 
 
-def test_fast_links_make_communication_disappear():
-    cluster = ClusterSpec(nodes=2, gpus_per_node=8, intra_node_gbs=1e6, inter_node_gbs=1e6, attention_tflops=0.01,
-                          intra_latency_s=0, inter_latency_s=0)
-    for c in valid_team_sizes(16):
-        p = predict(cluster, WORK, 16, c)
-        assert p.exposed_comm_s == pytest.approx(0.0, abs=1e-3 * p.compute_s)
+CONFIGS = [(cp, u, c, transfer, regather)
+           for cp in (8, 16) for u in (1, 2) for c in valid_team_sizes(cp // u)
+           for transfer in ("ring", "multiring") for regather in (False, True)
+           if not (regather and c == 1)]
+WORKS = [WORK, Workload(8192, heads=4, kv_heads=1, head_dim=32, dtype_bytes=2),  # MQA: rotation "kv"
+         Workload(8192, heads=4, kv_heads=4, head_dim=48, v_head_dim=16, dtype_bytes=2)]  # MLA dims
 
 
-def test_multiring_pays_off_only_on_a_full_mesh():
-    mesh = slow_link_cluster(8, 1, inter_node_mesh=True)
-    switch = slow_link_cluster(8, 1)
-    ring, tasp = predict(mesh, WORK, 8, 1, transfer="ring"), predict(mesh, WORK, 8, 1, transfer="multiring")
-    assert tasp.time_s < ring.time_s / 2  # 7 links instead of 1
-    assert predict(switch, WORK, 8, 1, transfer="multiring").time_s == pytest.approx(
-        predict(switch, WORK, 8, 1, transfer="ring").time_s)
+@pytest.mark.parametrize("work", WORKS)
+@pytest.mark.parametrize("cp,u,c,transfer,regather", CONFIGS)
+def test_priced_transfers_are_the_accounting_closed_forms(work, cp, u, c, transfer, regather):
+    cluster = Recording(nodes=2, gpus_per_node=cp // 2)
+    predict(cluster, work, cp, c, u, transfer, regather)
+    for rank in range(cp):
+        pos = rank // u
+        p2p = sum(n for src, _, n in cluster.p2p if src == rank)
+        coll = sum(n for groups, n in cluster.collectives for g in groups if rank in g and len(g) > 1)
+        assert p2p == pytest.approx(accounted(work, cp, c, u, regather, "p2p_bytes_sent", pos), rel=1e-9)
+        assert coll == pytest.approx(accounted(work, cp, c, u, regather, "collective_bytes_sent", pos), rel=1e-9)
 
 
-def test_choose_team_size_default_cluster_gives_a_valid_size():
-    for cp in (4, 8, 16, 32):
-        c = choose_team_size(cp_size=cp, ulysses_size=1, gpus_per_node=8, seq_length=131072, num_heads=32,
-                             num_kv_heads=8, head_dim=128, micro_batch_size=1, dtype_bytes=2)
-        assert c in valid_team_sizes(cp)
+def committed_rows():
+    """Every committed run's row of the project's attention with its counters and calibration."""
+    for path in sorted(glob.glob(os.path.join(RESULTS, "*.json"))):
+        run = json.load(open(path))
+        if "results" not in run:  # not a cluster_bench.py run
+            continue
+        args = parser().parse_args(run["argv"][1:])
+        for r in run["results"]:
+            if r.get("impl") != "torch" and "internode_bytes_accounting" in r and "calibration" in r:
+                yield os.path.basename(path), args, r
+
+
+def test_priced_inter_node_bytes_are_the_committed_runs_counters():
+    # The bytes the planner prices between nodes (P2P: the project's counters count P2P)
+    # are what each run's counters measured crossing nodes, on every committed cluster.
+    checked = 0
+    for source, args, r in committed_rows():
+        world = args.nodes * args.ranks_per_node
+        base = cluster_spec(args, r["rate_mbit"], r["calibration"])
+        cluster = Recording(**{f: getattr(base, f) for f in ClusterSpec.__dataclass_fields__})
+        predict(cluster, workload(args), world, r["team_size"], r["ulysses"], r["transfer"], r.get("regather", False))
+        crossing = sum(n for a, b, n in cluster.p2p if cluster.node_of(a) != cluster.node_of(b))
+        assert crossing == pytest.approx(r["internode_bytes_accounting"], rel=1e-9), (source, r["name"])
+        checked += 1
+    assert checked >= 60  # the 13 validation runs, the memory and full-mesh runs
+
+
+def test_committed_runs_are_ranked_and_predicted_within_bounds():
+    # The 13 validation runs (benchmarks/README.md, "Planner vs measurement"), priced from
+    # each run's own calibration: every pair of configurations one of which was faster in
+    # every round is ordered as measured, and every prediction is within 20 %.
+    rows = load(VALIDATION_RUNS)
+    assert len(rows) >= 70
+    clear = wrong = 0
+    for key in dict.fromkeys(cluster_key(r) for r in rows):
+        group = [r for r in rows if cluster_key(r) == key]
+        check = check_ranking(group, group[0]["interleaved"])
+        clear, wrong = clear + len(check.clear), wrong + len(check.wrong)
+        assert not check.wrong, (key, check.wrong)
+    assert clear >= 100  # enough pairs with a measured order for the check to mean something
+    errors = {(r["source"], r["rate_mbit"], r["name"]): r["predicted_ms"] / r["time_ms_median"] - 1 for r in rows}
+    assert all(abs(e) <= TOLERANCE for e in errors.values()), {k: e for k, e in errors.items() if abs(e) > TOLERANCE}
+
+
+def unlimited(**kw) -> ClusterSpec:
+    """Links with no latency and no limit, a kernel that takes no time: override what matters."""
+    return ClusterSpec(**{"nodes": 2, "gpus_per_node": 4, "intra_node_gbs": 1e12, "inter_node_gbs": 1e12,
+                          "nics_per_node": 1, "intra_latency_s": 0.0, "inter_latency_s": 0.0,
+                          "attention_tflops": 1e15, **kw})
+
+
+@pytest.mark.parametrize("work", WORKS[:2])
+def test_a_link_bound_ring_costs_its_crossing_bytes_at_the_link_rate(work):
+    # Ring attention on 2 nodes x 4: one rank per node sends across (3 -> 4, 7 -> 0), and
+    # every step waits for its transfer. Time = that rank's P2P bytes (closed form) / rate.
+    gbs = 0.01
+    pred = predict(unlimited(inter_node_gbs=gbs), work, 8, 1)
+    crossing = accounted(work, 8, 1, 1, False, "p2p_bytes_sent", 3)
+    assert pred.internode_bytes == pytest.approx(crossing)
+    assert pred.time_s == pytest.approx(crossing / (gbs * 1e9), rel=1e-6)
+    # Overlap has nothing to hide when compute is free; slower compute hides nothing more
+    # than itself: time = max(compute, transfer) per step, bounded by their sums.
+    slow = predict(unlimited(inter_node_gbs=gbs, attention_tflops=1e-3), work, 8, 1)
+    assert max(slow.compute_s, pred.time_s) <= slow.time_s <= slow.compute_s + pred.time_s
+
+
+@pytest.mark.parametrize("cp,u,c,transfer,regather", CONFIGS)
+def test_with_free_links_the_time_is_the_attention_flops(cp, u, c, transfer, regather):
+    # FLOPs of one rank: QK^T and PV over its s/P rows of all s columns, half of them
+    # causal; the backward 2.5x the forward.
+    tflops = 0.05
+    flops = 2 * 2 * WORK.batch * WORK.heads * WORK.seq_length**2 * WORK.head_dim / cp / 2
+    pred = predict(unlimited(gpus_per_node=cp // 2, attention_tflops=tflops), WORK, cp, c, u, transfer, regather)
+    assert pred.time_s == pytest.approx(flops * (1 + BACKWARD_FLOPS_RATIO) / (tflops * 1e12), rel=1e-6)
+    assert pred.exposed_comm_s == pytest.approx(0.0, abs=1e-6 * pred.time_s)
+
+
+@pytest.mark.parametrize("layout", ["2 nodes", "a node per rank"])
+@pytest.mark.parametrize("cp,u,c,transfer,regather", CONFIGS)
+def test_every_step_of_the_accounting_pays_a_latency(cp, u, c, transfer, regather, layout):
+    # Free bandwidth and compute: what is left is latency, at least one per sequential
+    # P2P step the closed forms count (the slowest position's); with a node per rank,
+    # every step crosses nodes and pays the inter-node latency.
+    lat = 1e-3
+    nodes = 2 if layout == "2 nodes" else cp
+    pred = predict(unlimited(nodes=nodes, gpus_per_node=cp // nodes, intra_latency_s=lat, inter_latency_s=lat),
+                   WORK, cp, c, u, transfer, regather)
+    steps = max(accounted(WORK, cp, c, u, regather, "p2p_steps", p) for p in range(cp // u))
+    assert pred.time_s >= steps * lat * (1 - 1e-9)
+
+
+def test_multiring_spreads_a_step_over_the_full_mesh_links():
+    # TASP on 8 nodes of one rank, full mesh, link-bound: the step's bytes split over the
+    # sub-ring's Hamiltonian cycles, one link each, so each link carries 1/lanes of them.
+    # Behind one switch port per node (no mesh) the node's bytes are the same either way.
+    lanes = len(sub_ring_lanes(StarTrailTopology(8, 1), 0, "multiring"))
+    assert lanes > 1
+    for mesh, speedup in ((True, lanes), (False, 1)):
+        cluster = unlimited(nodes=8, gpus_per_node=1, inter_node_gbs=0.01, inter_node_mesh=mesh)
+        ring, tasp = (predict(cluster, WORK, 8, 1, transfer=t).time_s for t in ("ring", "multiring"))
+        assert tasp == pytest.approx(ring / speedup, rel=1e-6)
 
 
 def test_overlap_prices_hidden_and_serialised_steps():
-    from megatron_startrail.planner import overlapped_steps  # noqa: PLC0415
-
     assert overlapped_steps(1.0, [3.0, 1.0], [1.0, 2.0]) == pytest.approx(3.0 + 2.0)
-    assert overlapped_steps(0.0, [3.0, 1.0], [1.0, 2.0]) == pytest.approx(7.0)
-    assert overlapped_steps(0.5, [3.0], [1.0]) == pytest.approx(3.5)
-    # Less overlap never makes a configuration faster.
-    full, half = slow_link_cluster(2, 4), slow_link_cluster(2, 4, overlap=0.5)
-    for c in (1, 2):
-        assert predict(half, WORK, 8, c).time_s >= predict(full, WORK, 8, c).time_s
+    assert overlapped_steps(0.0, [3.0, 1.0], [1.0, 2.0]) == pytest.approx(3.0 + 1.0 + 1.0 + 2.0)
+    assert overlapped_steps(0.5, [3.0], [1.0]) == pytest.approx(3.0 + 0.5)
 
 
-def test_rings_that_forward_node_local_messages_stream():
-    from megatron_startrail.planner import ring_streams  # noqa: PLC0415
-
-    cluster = slow_link_cluster(2, 4)
-    assert ring_streams(cluster, [list(range(8))])  # ring attention: 3 -> 4 and 7 -> 0 forward 2's, 6's
-    assert not ring_streams(cluster, [[0, 1, 2, 3]])  # no hop crosses: each forwards what just came
-    assert not ring_streams(cluster, [[0, 4]])  # a pair exchange: each forwards what just crossed
-    # With a pair exchange beside it, each node's link carries two ranks' hops (3's and
-    # 0's from node 0): one's wait is the other's transfer (see below); with a NIC per
-    # two ranks each NIC carries one, and the pair exchange makes the rings lock-step.
-    assert ring_streams(cluster, [list(range(8)), [0, 4]])
-    assert not ring_streams(slow_link_cluster(2, 4, nics_per_node=2), [list(range(8)), [0, 4]])
-    # StarTrail-2's sub-ring on 4 x 4, positions 0, 2, 4, 6: spans nodes 0, 0, 1, 1 and streams.
-    assert ring_streams(slow_link_cluster(4, 4), [[0, 2, 4, 6]])
-
-
-def test_lock_step_rings_that_share_a_link_stream():
-    from megatron_startrail.planner import ring_streams  # noqa: PLC0415
-
-    # Ulysses-2 x ring on 4 nodes x 2 ranks: two rings, every hop crosses; each node's
-    # link carries both ranks' hops, so one ring's wait is the other's transfer.
-    rings = [[0, 2, 4, 6], [1, 3, 5, 7]]
-    assert ring_streams(slow_link_cluster(4, 2), rings)
-    assert not ring_streams(slow_link_cluster(4, 2), rings[:1])  # alone on its link: lock-step
-    assert not ring_streams(slow_link_cluster(4, 2, nics_per_node=2), rings)  # a NIC for each
-    # Every hop of one ring crosses, but two of its ranks send over each node's link.
-    assert ring_streams(slow_link_cluster(2, 4), [[0, 4, 1, 5]])
-    # A full mesh: each node pair's link is its own. Both rings' hops from node 0 to 1
-    # share link 0 -> 1 (and so on round the nodes): they stream; a second ring that
-    # crosses on other links leaves each of its senders alone on its link: lock-step.
-    mesh = slow_link_cluster(4, 2, inter_node_mesh=True)
-    assert ring_streams(mesh, rings)
-    assert not ring_streams(mesh, [[0, 2, 4, 6], [1, 5, 3, 7]])
-    # Mixed: ring attention's 3 -> 4 is alone on link 1 -> 2 but forwards 2's message,
-    # and the pair exchanges' senders share their links: streams. One pair exchange
-    # alone on link 1 -> 0 (2 forwards what 0 just sent across): lock-step.
-    assert ring_streams(mesh, [list(range(8)), [0, 2], [1, 3]])
-    assert not ring_streams(mesh, [list(range(8)), [0, 2]])
+def test_the_default_cluster_is_one_preset_everywhere():
+    # Documented (cluster.py, planner.py, README): H100, 8 per node, 8 x 400 Gbit/s InfiniBand.
+    default = preset(DEFAULT_CLUSTER, 4)
+    assert default == ClusterSpec(4)  # the dataclass's defaults
+    assert (default.gpus_per_node, default.nics_per_node) == (8, 8)
+    assert default.inter_node_gbs == pytest.approx(8 * 400 / 8 * IB_EFFICIENCY)
+    assert "8 x 400 Gbit/s" in ClusterSpec.__doc__ and DEFAULT_CLUSTER in ClusterSpec.__doc__
+    cli = planner_parser().parse_args(["--nodes", "4", "--cp-size", "32", "--seq-length", "8192", "--heads", "8"])
+    assert cluster_from_args(cli) == default
+    # --startrail-team-size auto (choose_plan without a cluster) prices the same cluster.
+    kw = dict(cp_size=32, ulysses_size=1, gpus_per_node=8, seq_length=131072, num_heads=32, num_kv_heads=8,
+              head_dim=128, micro_batch_size=1, dtype_bytes=2)
+    assert choose_plan(**kw) == choose_plan(**kw, cluster=default)
 
 
-def test_ulysses_ring_sharing_a_link_pays_the_latency_once_per_phase():
-    # Ulysses-2 x ring on 4 x 2, link-bound: 5 ms more inter-node latency costs the two
-    # phases' first transfers and the last dK, dV (three), as ring attention does; with a
-    # NIC per rank its rings are lock-step and pay it every hop (3 forward, 3 + 1 backward,
-    # the last dK, dV).
-    def extra(**kw):
-        fast, slow = (slow_link_cluster(4, 2, inter_latency_s=lat, **kw) for lat in (0.0, 5e-3))
-        return predict(slow, WORK, 8, 1, 2).time_s - predict(fast, WORK, 8, 1, 2).time_s
-
-    assert extra() == pytest.approx(3 * 5e-3)
-    assert extra(nics_per_node=2) >= 8 * 5e-3 - 1e-12
-
-
-def test_a_streaming_ring_pays_the_inter_node_latency_once_per_phase():
-    # Link-bound ring attention on 2 x 4 (a step's transfer far above the latency):
-    # raising the inter-node latency from 0 to 5 ms adds three latencies (the two
-    # phases' first messages and the last dK, dV, waited on alone), not one per step.
-    fast, slow = slow_link_cluster(2, 4, inter_latency_s=0.0), slow_link_cluster(2, 4, inter_latency_s=5e-3)
-    assert predict(slow, WORK, 8, 1).time_s - predict(fast, WORK, 8, 1).time_s == pytest.approx(3 * 5e-3)
-    # Ulysses 4 x ring (a ring of two per rank pair: lock-step) with a NIC per rank, so no
-    # ring shares a link: one latency per step and per transfer.
-    fast, slow = (slow_link_cluster(2, 4, inter_latency_s=lat, nics_per_node=4) for lat in (0.0, 5e-3))
-    steps_u4 = 1 + 2 + 1  # forward, backward steps, the last dK, dV
-    assert predict(slow, WORK, 8, 1, 4).time_s - predict(fast, WORK, 8, 1, 4).time_s >= steps_u4 * 5e-3
-
-
-def test_compute_hides_a_streaming_ring_latency():
-    # Compute-bound (fast link, slow kernel): the phases' latencies hide behind compute
-    # as they do in a lock-step ring; at most the last dK, dV, waited on alone, shows.
-    kw = dict(intra_node_gbs=1.0, inter_node_gbs=10.0, nics_per_node=1, attention_tflops=1e-4)
-    fast = ClusterSpec(2, 4, inter_latency_s=0.0, **kw)
-    slow = ClusterSpec(2, 4, inter_latency_s=1e-3, **kw)
-    assert 0 <= predict(slow, WORK, 8, 1).time_s - predict(fast, WORK, 8, 1).time_s <= 1e-3 + 1e-12
-
-
-def test_pytorch_ring_model_streams_like_the_projects_ring():
-    from benchmarks.peer_models import permute_overhead_s, predict_torch_ring  # noqa: PLC0415
-
-    # Link-bound: K, V forward and K, V + dK, dV backward each pay the latency once, and
-    # the last dK, dV once more -- the same three as the project's ring.
-    fast, slow = slow_link_cluster(2, 4, inter_latency_s=0.0), slow_link_cluster(2, 4, inter_latency_s=5e-3)
-    extra = predict_torch_ring(slow, WORK, 8, "alltoall") - predict_torch_ring(fast, WORK, 8, "alltoall")
-    assert extra == pytest.approx(3 * 5e-3)
-    # Same bytes and schedule shape as the project's ring, plus the empty messages of
-    # each of its 3P - 2 all-to-all calls (K, V: P - 1 forward, P - 1 backward; dK, dV: P).
-    calls = 3 * 8 - 2
-    assert predict_torch_ring(slow, WORK, 8, "alltoall") == pytest.approx(
-        predict(slow, WORK, 8, 1).time_s + calls * permute_overhead_s(slow, 8), rel=1e-6)
-    # One rank per node: every hop crosses, lock-step, a latency per hop.
-    mesh_fast, mesh_slow = slow_link_cluster(8, 1, inter_latency_s=0.0), slow_link_cluster(8, 1, inter_latency_s=5e-3)
-    hops = 7 + 1 + 6 + 1 + 1  # forward K, V; backward K, V, K, V + dK, dV, dK, dV; the last dK, dV
-    extra = predict_torch_ring(mesh_slow, WORK, 8, "alltoall") - predict_torch_ring(mesh_fast, WORK, 8, "alltoall")
-    assert extra >= hops * 5e-3 - 1e-9
-
-
-def test_pytorch_all_gather_streams_as_gloo_pipelines_it():
-    from benchmarks.peer_models import predict_torch_ring  # noqa: PLC0415
-
-    # gloo's all-gather keeps two half-blocks in flight: a latency per call, not per hop.
-    # Link-bound on 2 x 4: the forward's and the backward's all-gathers, the dK, dV
-    # ring's phase and its last hop -- four latencies, whatever P is.
-    fast, slow = slow_link_cluster(2, 4, inter_latency_s=0.0), slow_link_cluster(2, 4, inter_latency_s=5e-3)
-    extra = predict_torch_ring(slow, WORK, 8, "allgather") - predict_torch_ring(fast, WORK, 8, "allgather")
-    assert extra == pytest.approx(4 * 5e-3)
-
-
-def test_empty_messages_of_a_permute_are_counted_per_node():
-    from benchmarks.peer_models import EMPTY_MESSAGE_WIRE_BYTES, empty_messages_crossing, permute_overhead_s  # noqa: PLC0415
-
-    # 2 x 4: each of a node's 4 ranks sends to the other node's 4, less the one payload
-    # (rank 3 -> 4): 15; the probe divides its measured bytes by the same count.
-    for nodes, per_node, messages in ((2, 4, 15), (3, 4, 31), (4, 2, 11)):
-        cluster = slow_link_cluster(nodes, per_node)
-        assert empty_messages_crossing(cluster, nodes * per_node) == messages
-        assert permute_overhead_s(cluster, nodes * per_node) == pytest.approx(
-            messages * EMPTY_MESSAGE_WIRE_BYTES / (cluster.inter_node_gbs * 1e9))
-    assert permute_overhead_s(slow_link_cluster(1, 8), 8) == 0.0  # one node: nothing crosses
-
-
-def test_rounds_where_a_rank_pair_sends_both_ways_use_the_duplex_rate():
-    from megatron_startrail.planner import _exchange_time  # noqa: PLC0415
-
-    cluster = slow_link_cluster(2, 4, inter_node_duplex_gbs=25 / 8 / 1000, inter_latency_s=0.0)
-    nbytes = 1e6
-    one_way = [(0, 4, nbytes), (5, 1, nbytes)]  # the two directions on different rank pairs
-    both_ways = [(0, 4, nbytes), (4, 0, nbytes)]  # one rank pair, both directions
-    assert _exchange_time(cluster, one_way)[0] == pytest.approx(nbytes / (50e6 / 8))
-    assert _exchange_time(cluster, both_ways)[0] == pytest.approx(nbytes / (25e6 / 8))
-    # Without a duplex figure (NCCL, RDMA): one rate for both.
-    plain = slow_link_cluster(2, 4, inter_latency_s=0.0)
-    assert _exchange_time(plain, both_ways)[0] == pytest.approx(_exchange_time(plain, one_way)[0])
-    # Ulysses 4 x ring on 2 nodes is a ring of two: every hop goes both ways on one pair;
-    # ring attention's hops never do.
-    assert predict(cluster, WORK, 8, 1, 4).time_s > predict(plain, WORK, 8, 1, 4).time_s
-    assert predict(cluster, WORK, 8, 1).time_s == pytest.approx(predict(plain, WORK, 8, 1).time_s)
+def test_a_slow_inter_node_link_prefers_teams_and_fast_links_prefer_the_ring():
+    # StarTrail moves fewer bytes across nodes than ring attention and more inside them:
+    # with the inter-node link the bottleneck it wins. With compute the bottleneck and
+    # every transfer hidden behind it (overlap 1), ring attention exposes only its last
+    # hop, while a team also waits on its collectives: the ring wins.
+    slow = unlimited(nodes=2, gpus_per_node=8, intra_node_gbs=1.0, inter_node_gbs=50 / 8 / 1000)
+    ring, st2 = (predict(slow, WORK, 16, c) for c in (1, 2))
+    assert st2.internode_bytes < ring.internode_bytes and st2.time_s < ring.time_s
+    assert choose_team_size(cp_size=16, ulysses_size=1, gpus_per_node=8, seq_length=8192, num_heads=4,
+                            num_kv_heads=4, head_dim=32, micro_batch_size=1, dtype_bytes=4, cluster=slow) > 1
+    compute_bound = preset(DEFAULT_CLUSTER, 2, attention_tflops=1e-3, overlap=1.0)
+    assert choose_team_size(cp_size=16, ulysses_size=1, gpus_per_node=8, seq_length=8192, num_heads=4,
+                            num_kv_heads=4, head_dim=32, micro_batch_size=1, dtype_bytes=4,
+                            cluster=compute_bound) == 1
 
 
 def test_memory_limit_leaves_out_configurations_or_makes_them_regather():
-    from megatron_startrail.accounting import AttentionShape, kept_for_backward_bytes  # noqa: PLC0415
-
-    cluster = slow_link_cluster(2, 8)
-    shape = AttentionShape(8192 // 16, 1, 4, 4, 32, 4)
+    cluster = unlimited(nodes=2, gpus_per_node=8, intra_node_gbs=1.0, inter_node_gbs=50 / 8 / 1000)
+    shape = shape_of(WORK, 16)
     ring = kept_for_backward_bytes(shape, ulysses_size=1, team_size=1, regather_in_backward=False)
-    st2 = kept_for_backward_bytes(shape, ulysses_size=1, team_size=2, regather_in_backward=False)
-    assert st2 > ring == kept_for_backward_bytes(shape, ulysses_size=1, team_size=2, regather_in_backward=True)
     free = {(p.ulysses_size, p.name) for p in plan(cluster, WORK, 16, transfers=("ring",))}
     # Room for ring attention's activations only: StarTrail stays, regathering in the backward.
     tight = plan(cluster, WORK, 16, transfers=("ring",), memory_limit_bytes=ring)
@@ -225,11 +250,3 @@ def test_memory_limit_leaves_out_configurations_or_makes_them_regather():
     with pytest.raises(ValueError, match="--startrail-memory-limit-gb"):
         choose_team_size(cp_size=16, ulysses_size=1, gpus_per_node=8, seq_length=8192, num_heads=4, num_kv_heads=4,
                          head_dim=32, micro_batch_size=1, dtype_bytes=4, cluster=cluster, memory_limit_bytes=ring - 1)
-
-
-def test_mla_head_dims_are_priced_separately():
-    cluster = slow_link_cluster(2, 4)
-    mla = Workload(seq_length=8192, heads=4, kv_heads=4, head_dim=48, batch=1, dtype_bytes=4, v_head_dim=16)
-    same = Workload(seq_length=8192, heads=4, kv_heads=4, head_dim=32, batch=1, dtype_bytes=4)
-    # K + V of 48 + 16 per head move as many bytes as 32 + 32; the ring attention P2P is K and V only.
-    assert predict(cluster, mla, 8, 1).internode_bytes == pytest.approx(predict(cluster, same, 8, 1).internode_bytes)

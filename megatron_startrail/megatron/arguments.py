@@ -233,8 +233,9 @@ def _planner_inputs(args, heads: int, kv_heads: int) -> dict:
 
 
 def _auto_plan(args, heads: int, kv_heads: int) -> None:
-    """--startrail-team-size auto: the planner's fastest team size within the memory limit;
-    regathering on when it needs it to fit."""
+    """--startrail-team-size auto: the planner's fastest team size within the memory limit,
+    priced on its default cluster (cluster.DEFAULT_CLUSTER: H100 nodes, 8 x 400 Gbit/s
+    InfiniBand each) with this job's CP ranks per node; regathering on when it needs it to fit."""
     from ..planner import choose_plan  # noqa: PLC0415 - only for auto
 
     best = choose_plan(**_planner_inputs(args, heads, kv_heads))
