@@ -15,9 +15,12 @@ neighbours only::
 The exchange is planned from the documents alone (:func:`halo_plan`), so every rank
 derives what it sends and what it receives, in both layouts of packed documents (a
 window never crosses a document). It runs on the CP group before any Ulysses all-to-all
-(all heads; no team, no sub-ring), over the transport's P2P on the CP group. When some
-window reaches further than a neighbour (a window longer than a chunk), :func:`halo_plan`
-returns None and the StarTrail schedule runs with masked and skipped blocks instead.
+(all heads; no team, no sub-ring), over the transport's P2P on the CP group, as one batch
+per direction. A longer window reaches further ranks (a window of 2 chunks: the two
+chunks before each chunk); the same plan then exchanges with them, as long as no rank
+receives more than a quarter of the sequence (:data:`MAX_HALO_SHARE`). Beyond that
+:func:`halo_plan` returns None and the StarTrail schedule runs with masked and skipped
+blocks instead.
 
 Bytes per rank and direction: ``rows x b x hkv x (dqk + dv) x dtype bytes``, rows as
 planned (dense, causal: ``left`` rows to each existing neighbour; :func:`halo_rows_sent`).
@@ -77,26 +80,36 @@ def _reached(docs: Documents, bounds, receiver: int, owner: int) -> tuple[tuple[
     return _coalesce(rows)
 
 
+# The exchange replaces the StarTrail schedule while no rank receives more than this share
+# of the sequence's rows: then the window skips most remote keys, and what one rank holds
+# at once stays small (the schedule keeps every rank's memory bounded whatever the window).
+MAX_HALO_SHARE = 0.25
+
+
 @functools.lru_cache(maxsize=256)
 def halo_plan(docs: Documents, window: tuple[int, int], causal: bool, rank: int) -> HaloPlan | None:
-    """The halo exchange of CP rank ``rank``, or None when some rank's window reaches a rank
-    other than its CP neighbours (the same answer on every rank)."""
+    """The halo exchange of CP rank ``rank``, or None when some rank's window reaches more than
+    :data:`MAX_HALO_SHARE` of the sequence (the same answer on every rank). A window no
+    longer than a chunk reaches only the two CP neighbours."""
     bounds = normalize_window(window, causal)
     cp = docs.cp_size
     if bounds is None or cp == 1:
         return None
+    total = cp * sum(b - a for _, a, b in cp_rank_segments(docs, 0))
     recv, send = [], []
     for receiver in range(cp):
+        received = 0
         for owner in range(cp):
             if owner == receiver:
                 continue
             rows = _reached(docs, bounds, receiver, owner)
-            if rows and abs(owner - receiver) > 1:
-                return None
+            received += sum(b - a for a, b in rows)
             if rows and receiver == rank:
                 recv.append((owner, rows))
             if rows and owner == rank:
                 send.append((receiver, rows))
+        if received > MAX_HALO_SHARE * total:
+            return None
     return HaloPlan(rank, tuple(recv), tuple(send))
 
 

@@ -1,10 +1,11 @@
 """Attention options of megatron-core 0.19.2 that StarTrail does not implement: refused.
 
-StarTrail computes exact softmax attention, causal or full, inside packed documents when
-given. An option that changes the mask or the softmax and that StarTrail ignored would
-train a different model without a word (``--window-size`` did: its losses equalled a run
-without the window). So each such option is refused, with the flag named, in two places
-that read the same table:
+StarTrail computes exact softmax attention, causal or full, with a sliding window when
+``--window-size`` / ``--window-attn-skip-freq`` ask for one (the core attention applies
+Megatron's per-layer rule), inside packed documents when given. An option that changes
+the mask or the softmax and that StarTrail ignored would train a different model without
+a word (``--window-size`` once did). So each such option is refused, with the flag named,
+in two places that read the same table:
 
 - :func:`check_attention_options` on Megatron's parsed args (``validate_startrail_args``,
   before any process group exists, on every rank);
@@ -21,13 +22,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 
-def _is_full_window(window) -> bool:
-    """``(left, right)`` with -1 meaning unbounded: no window on the left, and on the right
-    either none or the causal edge (``0``) -- what StarTrail computes anyway."""
-    left, right = tuple(window)
-    return left < 0 and right <= 0
-
-
 @dataclass(frozen=True)
 class AttentionOption:
     attribute: str  # the name on Megatron's args and on TransformerConfig
@@ -38,18 +32,6 @@ class AttentionOption:
 
 
 UNSUPPORTED = (
-    AttentionOption(
-        "window_size", "--window-size",
-        lambda v: v is not None and not _is_full_window(v),
-        "sliding-window attention is not implemented by StarTrail yet (it would compute full attention)",
-        "drop --window-size (or use --context-parallel-algo megatron with Transformer Engine)",
-    ),
-    AttentionOption(
-        "window_attn_skip_freq", "--window-attn-skip-freq",
-        lambda v: v is not None,
-        "it interleaves sliding-window layers, and StarTrail has no sliding window yet",
-        "drop --window-attn-skip-freq and --window-size",
-    ),
     AttentionOption(
         "softmax_type", "--softmax-type",
         lambda v: v not in (None, "vanilla"),

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import is_layer_window_attention
 
 from ..attention import startrail_attn
 from ..groups import StarTrailGroups
@@ -116,6 +117,10 @@ class StarTrailCoreAttention(MegatronModule):
                     "after the parallel state that made pg_collection (same --context-parallel-size and order)"
                 )
         self.layer_number = max(1, layer_number)
+        # --window-size / --window-attn-skip-freq: this layer's sliding window, by Megatron's own
+        # rule (None: a full-attention layer); StarTrail applies it (startrail_attn window_size).
+        self.window_size = tuple(config.window_size) if is_layer_window_attention(
+            config.window_size, config.window_attn_skip_freq, self.layer_number) else None
         self.attn_mask_type = attn_mask_type
         head_dim = k_channels or config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
@@ -159,7 +164,7 @@ class StarTrailCoreAttention(MegatronModule):
             query, key, value, self.startrail_groups,
             causal=causal, softmax_scale=self.softmax_scale, transfer=self.transfer,
             cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded,
-            regather_in_backward=self.regather_in_backward, cp_group=self.cp_group,
+            regather_in_backward=self.regather_in_backward, cp_group=self.cp_group, window_size=self.window_size,
         )
         # [s/CP, b, np, hv] -> [s/CP, b, np * hv]   (THD: -> [t/CP, np * hv])
         return out.reshape(*out.shape[:-2], -1)

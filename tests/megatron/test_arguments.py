@@ -146,9 +146,6 @@ def test_validation_errors_name_the_flag(monkeypatch, flags, message):
 # Every megatron-core 0.19.2 option that changes the attention's mask or softmax and that
 # StarTrail does not implement (megatron_startrail/megatron/attention_options.py).
 UNSUPPORTED_ATTENTION_FLAGS = [
-    (["--window-size", "32,0"], "--window-size 32,0"),
-    (["--window-size", "8,8"], "--window-size 8,8"),
-    (["--window-size", "32,0", "--window-attn-skip-freq", "2"], "--window-attn-skip-freq 2"),
     (["--softmax-type", "off-by-one"], "--softmax-type off-by-one"),
     (["--softmax-type", "learnable"], "--softmax-type learnable"),
     (["--apply-query-key-layer-scaling"], "--apply-query-key-layer-scaling"),
@@ -170,10 +167,11 @@ def test_attention_options_startrail_does_not_implement_are_refused(monkeypatch,
     assert f"--context-parallel-algo {algo}" in str(error.value)
 
 
-def test_attention_options_that_leave_the_attention_unchanged_are_accepted(monkeypatch):
-    """An unbounded window (-1 left; right -1 or the causal edge 0) and vanilla softmax are
-    what StarTrail computes; Megatron's own CP is not checked at all."""
-    for flags in (["--window-size=-1,0"], ["--window-size=-1,-1"], ["--softmax-type", "vanilla"]):
+def test_attention_options_startrail_implements_are_accepted(monkeypatch):
+    """Sliding windows (StarTrail applies them, tests/test_window.py) and vanilla softmax;
+    Megatron's own CP is not checked at all."""
+    for flags in (["--window-size=-1,0"], ["--window-size", "32,0"], ["--window-size", "8,8"],
+                  ["--window-size", "32,0", "--window-attn-skip-freq", "2"], ["--softmax-type", "vanilla"]):
         validate_startrail_args(parse(monkeypatch, "--context-parallel-size", "4", "--context-parallel-algo",
                                       "startrail", "--startrail-team-size", "2", *flags))
     validate_startrail_args(parse(monkeypatch, "--context-parallel-size", "4", "--window-size", "32,0"))

@@ -110,8 +110,6 @@ def test_constructor_errors_name_the_setting():
 
 
 @pytest.mark.parametrize("field, value, flag", [
-    ("window_size", (32, 0), "--window-size 32,0"),
-    ("window_attn_skip_freq", 2, "--window-attn-skip-freq 2"),
     ("softmax_type", "off-by-one", "--softmax-type off-by-one"),
     ("softmax_type", "learnable", "--softmax-type learnable"),
     ("apply_query_key_layer_scaling", True, "--apply-query-key-layer-scaling"),

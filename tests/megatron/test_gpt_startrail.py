@@ -29,12 +29,12 @@ def concat_batches(batches):
     return {k: None if v is None else torch.cat([b[k] for b in batches]) for k, v in batches[0].items()}
 
 
-def worker(rank, world_size, tp, pp, cp, team_size, ulysses, query_groups):
+def worker(rank, world_size, tp, pp, cp, team_size, ulysses, query_groups, window=None):
     """Train STEPS steps of SGD; return per-step losses and the first step's grads (rank-0 of DPxCP)."""
     Utils.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp
     )
-    model = tiny_gpt(tp, pp, cp, team_size, ulysses, query_groups)
+    model = tiny_gpt(tp, pp, cp, team_size, ulysses, query_groups, window=window)
     weights = {n: p.detach().double().sum().item() for n, p in model.named_parameters()}
     dp = parallel_state.get_data_parallel_world_size(with_context_parallel=False)
     dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=False)
@@ -73,11 +73,20 @@ def collect(results):
     return by_key
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=[l[0] for l in LAYOUTS])
+# Sliding windows (--window-size L,0 --window-attn-skip-freq 2: layer 1 windowed, layer 2
+# global) on 64 tokens, CP4 (chunks of 8): 32 reaches past a chunk (the StarTrail schedule
+# with masked blocks), 5 only into the neighbours' chunks (the halo exchange).
+WINDOWS = [("TP2xCP4_C2_window32_skip2", 8, 2, 1, 4, 1, 2, 1, None, ((32, 0), 2)),
+           ("TP2xCP4_C2_window5_skip2", 8, 2, 1, 4, 1, 2, 1, None, ((5, 0), 2))]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS + WINDOWS, ids=[l[0] for l in LAYOUTS + WINDOWS])
 def test_startrail_gpt_matches_cp1(layout):
-    name, world, tp, pp, cp, dp, c, u, qg = layout
-    got = collect(run_ranks(worker, world, args=(tp, pp, cp, c, u, qg), timeout=300))
-    ref = collect(run_ranks(worker, tp * pp * (2 if dp > 1 else 1), args=(tp, pp, 1, 1, 1, qg), timeout=300))
+    name, world, tp, pp, cp, dp, c, u, qg = layout[:9]
+    window = layout[9] if len(layout) > 9 else None
+    got = collect(run_ranks(worker, world, args=(tp, pp, cp, c, u, qg, window), timeout=300))
+    ref = collect(run_ranks(worker, tp * pp * (2 if dp > 1 else 1), args=(tp, pp, 1, 1, 1, qg, window),
+                            timeout=300))
     assert set(got) == set(ref) and got
     for key in ref:
         (w, g, losses), (rw, rg, rlosses) = got[key], ref[key]
@@ -87,3 +96,7 @@ def test_startrail_gpt_matches_cp1(layout):
             assert err < 1e-4, f"{name} {key} {pname}: relative grad error {err:.2e}"
         if rlosses is not None:
             assert losses == pytest.approx(rlosses, rel=1e-5), f"{name}: losses {losses} vs CP=1 {rlosses}"
+    if window is not None:  # the window changes the model: a run that ignored it would be told apart
+        full = collect(run_ranks(worker, tp * pp, args=(tp, pp, 1, 1, 1, qg, None), timeout=300))
+        losses, unwindowed = ref[(0, pp - 1)][2], full[(0, pp - 1)][2]
+        assert losses != pytest.approx(unwindowed, rel=1e-5), f"{name}: the window did not change the losses"

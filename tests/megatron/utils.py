@@ -60,10 +60,14 @@ class Utils:
         dist.barrier()
 
 
-def tiny_gpt(tp=1, pp=1, cp=1, team_size=1, ulysses_size=1, query_groups=None, seed=1234):
-    """A 2-layer GPT on this rank's pipeline stage; StarTrail core attention when cp > 1."""
+def tiny_gpt(tp=1, pp=1, cp=1, team_size=1, ulysses_size=1, query_groups=None, seed=1234, window=None):
+    """A 2-layer GPT on this rank's pipeline stage; StarTrail core attention when cp > 1.
+    ``window``: ``(window_size, window_attn_skip_freq)`` (Megatron's --window-size and
+    --window-attn-skip-freq)."""
     torch.manual_seed(seed)
+    window_size, skip_freq = window if window is not None else (None, None)
     config = TransformerConfig(
+        window_size=window_size, window_attn_skip_freq=skip_freq,
         num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=query_groups,
         use_cpu_initialization=True, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         context_parallel_size=cp, hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
