@@ -60,10 +60,6 @@ def _team_segments(groups: StarTrailGroups, docs: Documents, team: int) -> tuple
     return rows_of_cp_ranks(docs, cp_ranks)
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 # -- the phases; the forward runs 1-4, the backward re-runs 1-2 when regathering ------------
 
 
@@ -92,7 +88,7 @@ def _sub_ring_forward(comm, groups, docs, kernel, transfer, q_team, kv_init: Pie
     topo, pos = groups.topology, groups.startrail_rank
     rows, b, h = q_team.shape[:3]
     dv = kv_init.tensor.shape[-1] - q_team.shape[-1]
-    acc_dtype = _acc_dtype(q_team.dtype)
+    acc_dtype = blocks.acc_dtype(q_team.dtype)
     acc_out = q_team.new_zeros((b, h, rows, dv), dtype=acc_dtype)
     acc_lse = q_team.new_full((b, h, rows), float("-inf"), dtype=acc_dtype)
     q_segments = _team_segments(groups, docs, topo.team_of(pos))
@@ -218,7 +214,7 @@ def _sub_ring_backward(comm, groups, docs, kernel, transfer, rotation, q_side, l
     ``dkv_init [C*n, b, hkv, dqk + dv]`` (accumulator dtype), started: with "q" each piece
     goes back once the last step has computed it, with "kv" when the accumulators are home."""
     topo, pos = groups.topology, groups.startrail_rank
-    acc_dtype = _acc_dtype(q_side.dtype)
+    acc_dtype = blocks.acc_dtype(q_side.dtype)
     dv = (q_side.shape[-1] - dqk) // 2
     rows = q_side.shape[0]  # of the team's gathered sequence
     lanes = sub_ring_lanes(topo, pos, transfer)

@@ -23,6 +23,11 @@ from .kernels import BlockKernel, ReferenceKernel
 from .layout import Block, Segment, plan_blocks
 
 
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What partial results and gradients accumulate in: float32, float64 for float64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _bhsd(x: torch.Tensor) -> torch.Tensor:
     # [s, b, h, d] -> [b, h, s, d] (a view)
     return x.permute(1, 2, 0, 3)

@@ -23,7 +23,7 @@ receives more than a quarter of the sequence (:data:`MAX_HALO_SHARE`). Beyond th
 blocks instead.
 
 Bytes per rank and direction: ``rows x b x hkv x (dqk + dv) x dtype bytes``, rows as
-planned (dense, causal: ``left`` rows to each existing neighbour; :func:`halo_rows_sent`).
+planned (dense, causal, a window of at most a chunk: ``left`` rows to each existing neighbour).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch
 
 from . import blocks
 from .comm import Communicator
-from .layout import Documents, Segment, cp_rank_segments, normalize_window, segment_rows
+from .layout import Documents, Segment, coalesce, cp_rank_segments, normalize_window, segment_rows
 
 
 @dataclass(frozen=True)
@@ -54,16 +54,6 @@ class HaloPlan:
                            for seg in segment_rows(cp_rank_segments(docs, s), a, b))
 
 
-def _coalesce(ranges):
-    out = []
-    for a, b in sorted(ranges):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(b, out[-1][1]))
-        else:
-            out.append((a, b))
-    return tuple(out)
-
-
 def _reached(docs: Documents, bounds, receiver: int, owner: int) -> tuple[tuple[int, int], ...]:
     """Rows of ``owner``'s storage that some query of ``receiver`` sees under ``bounds``."""
     lo, hi = bounds
@@ -77,7 +67,7 @@ def _reached(docs: Documents, bounds, receiver: int, owner: int) -> tuple[tuple[
             if x < y:
                 rows.append((offset + int(x) - a, offset + int(y) - a))
         offset += b - a
-    return _coalesce(rows)
+    return coalesce(rows)
 
 
 # The exchange replaces the StarTrail schedule while no rank receives more than this share
@@ -113,11 +103,6 @@ def halo_plan(docs: Documents, window: tuple[int, int], causal: bool, rank: int)
     return HaloPlan(rank, tuple(recv), tuple(send))
 
 
-def halo_rows_sent(plan: HaloPlan) -> int:
-    """K, V rows this rank sends in the forward (and receives back as dK, dV in the backward)."""
-    return sum(b - a for _, ranges in plan.send for a, b in ranges)
-
-
 def _exchange(comm: Communicator, outgoing: list, incoming: list, *, op: str):
     """Post sends ``(tensor, CP rank)`` and receives ``(buffer, CP rank)`` in one batch; wait."""
     comm.post(outgoing, incoming, op=op).wait()
@@ -138,7 +123,7 @@ class _HaloAttention(torch.autograd.Function):
         kv_all = torch.cat([kv, *halos])  # [own rows | halos], described by plan.key_segments
         n, b, h, dqk = q.shape
         dv = v.shape[-1]
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        acc = blocks.acc_dtype(q.dtype)
         acc_out = q.new_zeros((b, h, n, dv), dtype=acc)
         acc_lse = q.new_full((b, h, n), float("-inf"), dtype=acc)
         q_segments, k_segments = cp_rank_segments(docs, plan.rank), plan.key_segments(docs)
@@ -154,7 +139,7 @@ class _HaloAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, kv_all, out, lse = ctx.saved_tensors
         groups, docs, plan, window, causal, scale, kernel, bwd_stats, timeline, dqk = ctx.meta
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        acc = blocks.acc_dtype(q.dtype)
         dq = q.new_zeros(q.shape, dtype=acc)
         dkv_all = kv_all.new_zeros(kv_all.shape, dtype=acc)
         blocks.backward_step(kernel, q, dout.contiguous(), out, lse, kv_all, cp_rank_segments(docs, plan.rank),

@@ -311,11 +311,12 @@ def _window_blocks(qo: int, qa: int, qb: int, ko: int, ka: int, kb: int, lo: flo
     return blocks
 
 
-def _coalesce(ranges: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+def coalesce(ranges: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """Row ranges sorted, with touching or overlapping ones merged."""
     out: list[tuple[int, int]] = []
     for a, b in sorted(ranges):
-        if out and out[-1][1] == a:
-            out[-1] = (out[-1][0], b)
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(b, out[-1][1]))
         else:
             out.append((a, b))
     return tuple(out)
@@ -383,7 +384,7 @@ def plan_blocks(q_segments: tuple[Segment, ...], k_segments: tuple[Segment, ...]
                 if qb > kb:
                     extra.append(Block((qo + kb - qa, qo + qb - qa), ((ko + e - ka, ko + kb - ka),), False))
         if full:
-            blocks.append(Block((qo, qo + qb - qa), _coalesce(full), False))
+            blocks.append(Block((qo, qo + qb - qa), coalesce(full), False))
         blocks.extend(extra)
         qo += qb - qa
     return _merge_query_runs(blocks)
