@@ -101,7 +101,7 @@ def _sub_ring_forward(comm, groups, docs, kernel, transfer, q_team, kv_init: Pie
         for lane_index, (lane, (kv,), kv_rows) in enumerate(zip(kv_rot.lanes, payloads, part_rows)):
             k_segments = kv_rot.part_segments(lane.origin(pos, step), lane_index, kv_rows)
             blocks.forward_step(kernel, q_team, kv, q_segments, k_segments, acc_out, acc_lse,
-                                causal=causal, scale=scale, window=window)
+                                causal=causal, scale=scale, window=window, tile_rows=rows // groups.team_size)
 
     rotate(comm, kv_rot.lanes, pos, kv_rot.split([kv_init.tensor]), attend, op="sub_ring",
            pieces=kv_rot.pieces(kv_init))
@@ -178,16 +178,21 @@ class _StarTrailAttention(torch.autograd.Function):
         else:
             q_team, kv_team, out, lse = ctx.saved_tensors
             kv_init = PieceTransfer.local(kv_team, groups.team_size)
-        dtype, dqk = q_team.dtype, q_team.shape[-1]
-        q_side, lse_team = _gather_query_side(comm, groups, q_team, dout, out, lse)
-        del q_team
+        dtype = q_team.dtype
+        do_out, lse_team = _gather_query_side(comm, groups, dout, out, lse)
         # dK, dV go back along the reverse of the initial send (started inside, piece by
         # piece, with rotation "q") while dQ is reduce-scattered in the team (float32):
         # every member keeps its own rows.
         dq_team, dkv_back = _sub_ring_backward(comm, groups, docs, ctx.kernel, ctx.transfer, ctx.rotation,
-                                               q_side, lse_team, kv_init, dqk, causal=ctx.causal, scale=ctx.scale,
-                                               window=ctx.window)
+                                               q_team, do_out, lse_team, kv_init, causal=ctx.causal,
+                                               scale=ctx.scale, window=ctx.window,
+                                               tile_rows=q_team.shape[0] // groups.team_size)
+        # The team's buffers are done with: free them before the reductions (peak memory;
+        # what the forward saved stays alive in ctx until the backward returns).
+        del q_team, do_out, lse_team, kv_init
+        dqk = dq_team.shape[-1]
         dq = comm.reduce_scatter(dq_team, groups.team_group, groups.team_size, op="team_reduce_scatter")
+        del dq_team
         dkv = comm.reduce_scatter(dkv_back.wait(), groups.team_group, groups.team_size, op="team_reduce_scatter")
         dk, dv = dkv[..., :dqk].to(dtype), dkv[..., dqk:].to(dtype)
         return (dq.to(dtype), dk, dv) + (None,) * 11
@@ -196,33 +201,35 @@ class _StarTrailAttention(torch.autograd.Function):
 # -- the backward's own phases ---------------------------------------------------------------
 
 
-def _gather_query_side(comm, groups, q_team, dout, out, lse):
-    """Team all-gather of the query-side inputs of the block backward: returns
-    ``q_side [C*n, b, h, dqk + 2 dv]`` (q | dO | out side by side) and ``lse_team [C*n, b, h]``."""
+def _gather_query_side(comm, groups, dout, out, lse):
+    """Team all-gather of the query-side inputs of the block backward besides Q: returns
+    ``do_out [C*n, b, h, 2 dv]`` (dO | out side by side) and ``lse_team [C*n, b, h]``. Q
+    stays its own tensor (no copy of the team's Q into a joint buffer: peak memory)."""
     c = groups.team_size
     do_out = comm.all_gather(torch.cat([dout, out], dim=-1), groups.team_group, c, op="team_all_gather", wait=False)
     lse_team = comm.all_gather(lse, groups.team_group, c, op="team_all_gather", wait=False)  # both fly at once
-    return torch.cat([q_team, do_out.wait()], dim=-1), lse_team.wait()
+    return do_out.wait(), lse_team.wait()
 
 
-def _sub_ring_backward(comm, groups, docs, kernel, transfer, rotation, q_side, lse_team, kv_init: PieceTransfer,
-                       dqk, *, causal, scale, window=None):
+def _sub_ring_backward(comm, groups, docs, kernel, transfer, rotation, q_team, do_out, lse_team,
+                       kv_init: PieceTransfer, *, causal, scale, window=None, tile_rows=None):
     """The forward's sub-ring schedule with one side fixed and the other circulating with
     its gradient accumulator (``rotation`` "q": Q, dO, out, lse and dQ move, paper 3.2.1;
     "kv": K, V and dK, dV move); step 0 uses each piece of ``kv_init`` as it lands.
+    ``q_team [C*n, b, h, dqk]``, ``do_out [C*n, b, h, 2 dv]`` (dO | out), ``lse_team [C*n, b, h]``.
     Returns ``dq_team [C*n, b, h, dqk]`` and the reverse initial send of
     ``dkv_init [C*n, b, hkv, dqk + dv]`` (accumulator dtype), started: with "q" each piece
-    goes back once the last step has computed it, with "kv" when the accumulators are home."""
+    goes back once the last step has computed it, with "kv" when the accumulators are home.
+    ``tile_rows`` bounds the rows of one kernel call (:func:`blocks.backward_step`)."""
     topo, pos = groups.topology, groups.startrail_rank
-    acc_dtype = blocks.acc_dtype(q_side.dtype)
-    dv = (q_side.shape[-1] - dqk) // 2
-    rows = q_side.shape[0]  # of the team's gathered sequence
+    acc_dtype = blocks.acc_dtype(q_team.dtype)
+    dqk, dv = q_team.shape[-1], do_out.shape[-1] // 2
+    rows = q_team.shape[0]  # of the team's gathered sequence
     lanes = sub_ring_lanes(topo, pos, transfer)
 
-    def grads(qs, lse_rows, kv, q_segments, kv_segments, dq, dkv):
-        q, dout, out = qs[..., :dqk], qs[..., dqk : dqk + dv], qs[..., dqk + dv :]
-        blocks.backward_step(kernel, q, dout, out, lse_rows, kv, q_segments, kv_segments, dq, dkv,
-                             causal=causal, scale=scale, window=window)
+    def grads(q, do_o, lse_rows, kv, q_segments, kv_segments, dq, dkv):
+        blocks.backward_step(kernel, q, do_o[..., :dv], do_o[..., dv:], lse_rows, kv, q_segments, kv_segments, dq,
+                             dkv, causal=causal, scale=scale, window=window, tile_rows=tile_rows)
 
     if rotation == "q":
         own_kv_segments = _team_segments(groups, docs, topo.kv_team_at_step(pos, 0))
@@ -232,21 +239,22 @@ def _sub_ring_backward(comm, groups, docs, kernel, transfer, rotation, q_side, l
         last_step = len(q_rot.lanes[0].order) - 1
 
         def step_q(step, payloads, _rows):
-            dqs = [qs.new_zeros(qs.shape[:-1] + (dqk,), dtype=acc_dtype) for qs, _ in payloads]
+            dqs = [q.new_zeros(q.shape, dtype=acc_dtype) for q, _, _ in payloads]
             for piece, (a, b) in enumerate(kv_init.bounds):  # K, V pieces, as they land at step 0
                 kv, kv_segments = kv_init.piece(piece), segment_rows(own_kv_segments, a, b)
-                for lane_index, (lane, (qs, lse_rows), dq) in enumerate(zip(q_rot.lanes, payloads, dqs)):
+                for lane_index, (lane, (q, do_o, lse_rows), dq) in enumerate(zip(q_rot.lanes, payloads, dqs)):
                     q_segments = q_rot.part_segments(lane.origin(pos, step), lane_index)
-                    grads(qs, lse_rows, kv, q_segments, kv_segments, dq, dkv_init[a:b])
+                    grads(q, do_o, lse_rows, kv, q_segments, kv_segments, dq, dkv_init[a:b])
                 if step == last_step:
                     reverse.send(piece)  # these rows of dK, dV are final
             return [[dq] for dq in dqs]
 
-        home = rotate(comm, q_rot.lanes, pos, q_rot.split([q_side, lse_team]), step_q, op="sub_ring", accumulate=True)
+        home = rotate(comm, q_rot.lanes, pos, q_rot.split([q_team, do_out, lse_team]), step_q, op="sub_ring",
+                      accumulate=True)
         return q_rot.join([lane_acc[0] for lane_acc in home]), reverse
 
     own_q_segments = _team_segments(groups, docs, topo.team_of(pos))
-    dq_team = q_side.new_zeros(q_side.shape[:-1] + (dqk,), dtype=acc_dtype)
+    dq_team = q_team.new_zeros(q_team.shape, dtype=acc_dtype)
     kv_rot = LaneSplit(lanes, rows, lambda origin: _team_segments(groups, docs, topo.kv_team_at_step(origin, 0)))
 
     def step_kv(step, payloads, part_rows):
@@ -254,7 +262,7 @@ def _sub_ring_backward(comm, groups, docs, kernel, transfer, rotation, q_side, l
         for lane_index, (lane, (kv,), kv_rows) in enumerate(zip(kv_rot.lanes, payloads, part_rows)):
             dkv = kv.new_zeros(kv.shape, dtype=acc_dtype)
             kv_segments = kv_rot.part_segments(lane.origin(pos, step), lane_index, kv_rows)
-            grads(q_side, lse_team, kv, own_q_segments, kv_segments, dq_team, dkv)
+            grads(q_team, do_out, lse_team, kv, own_q_segments, kv_segments, dq_team, dkv)
             contrib.append([dkv])
         return contrib
 

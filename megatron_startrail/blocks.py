@@ -85,6 +85,42 @@ def _call(kernel: BlockKernel, block: Block, device) -> tuple[BlockKernel, dict]
     return _BAND_KERNEL, {"causal": False, "mask": (delta >= lo) & (delta <= hi)}
 
 
+def _split_ranges(ranges: tuple[tuple[int, int], ...], limit: int) -> list[tuple[tuple[int, int], ...]]:
+    """``ranges`` cut into consecutive groups of at most ``limit`` rows each."""
+    groups: list[tuple[tuple[int, int], ...]] = []
+    current: list[tuple[int, int]] = []
+    room = limit
+    for a, b in ranges:
+        while a < b:
+            take = min(b - a, room)
+            current.append((a, a + take))
+            a, room = a + take, room - take
+            if room == 0:
+                groups.append(tuple(current))
+                current, room = [], limit
+    if current:
+        groups.append(tuple(current))
+    return groups
+
+
+def _tiles(planned: tuple[Block, ...], tile_rows: int | None):
+    """The blocks, with full blocks cut into tiles of at most ``tile_rows`` query and key rows.
+
+    Why: the planner merges the full blocks of a query segment (and adjacent segments) into
+    one call, which on a team's gathered rows spans up to ``C`` times a rank's rows; a
+    kernel's temporaries (gradients of the call's rows, its float32 accumulators, the
+    concatenated key rows) grow with the call. Tiles of one rank's rows keep them at ring
+    attention's size. Causal and band blocks are one segment or band tile long already."""
+    for block in planned:
+        if tile_rows is None or block.causal or block.band is not None:
+            yield block
+            continue
+        q0, q1 = block.q_rows
+        for qa in range(q0, q1, tile_rows):
+            for k_rows in _split_ranges(block.k_rows, tile_rows):
+                yield Block((qa, min(q1, qa + tile_rows)), k_rows, False)
+
+
 def forward_step(
     kernel: BlockKernel,
     q: torch.Tensor,
@@ -97,10 +133,12 @@ def forward_step(
     causal: bool,
     scale: float,
     window: tuple[int, int] | None = None,
+    tile_rows: int | None = None,
 ) -> None:
-    """Attend ``q`` to ``kv`` and merge into ``acc_out [b, h, Sq, dv]`` / ``acc_lse [b, h, Sq]``."""
+    """Attend ``q`` to ``kv`` and merge into ``acc_out [b, h, Sq, dv]`` / ``acc_lse [b, h, Sq]``
+    (full blocks in tiles of at most ``tile_rows`` rows a side)."""
     dqk = q.shape[-1]
-    for block in plan_blocks(q_segments, k_segments, causal, window):
+    for block in _tiles(plan_blocks(q_segments, k_segments, causal, window), tile_rows):
         q0, q1 = block.q_rows
         kvs = take_rows(kv, block.k_rows)
         call, kwargs = _call(kernel, block, q.device)
@@ -123,10 +161,12 @@ def backward_step(
     causal: bool,
     scale: float,
     window: tuple[int, int] | None = None,
+    tile_rows: int | None = None,
 ) -> None:
-    """Add this step's gradients into ``dq [Sq, b, h, dqk]`` and ``dkv [Sk, b, hkv, dqk + dv]``."""
+    """Add this step's gradients into ``dq [Sq, b, h, dqk]`` and ``dkv [Sk, b, hkv, dqk + dv]``
+    (full blocks in tiles of at most ``tile_rows`` rows a side)."""
     dqk = q.shape[-1]
-    for block in plan_blocks(q_segments, k_segments, causal, window):
+    for block in _tiles(plan_blocks(q_segments, k_segments, causal, window), tile_rows):
         q0, q1 = block.q_rows
         kvs = take_rows(kv, block.k_rows)
         call, kwargs = _call(kernel, block, q.device)

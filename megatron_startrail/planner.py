@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from .accounting import (AttentionShape, backward_p2p_parts, choose_backward_rotation, kept_for_backward_bytes,
                          startrail_rank_elements)
 from .cluster import DEFAULT_CLUSTER, PRESETS, ClusterSpec, preset
+from .memory_model import activation_peak_bytes
 from .topology import StarTrailTopology, valid_team_sizes
 from .transfer import sub_ring_lanes
 
@@ -63,6 +64,8 @@ class Prediction:
     internode_bytes: float  # the busiest node's, forward + backward
     regather_in_backward: bool = False
     activation_bytes: int = 0  # what the attention layers keep for backward, per rank
+    # ... plus, at the peak, one layer's forward or backward buffers (memory_model.py)
+    peak_bytes: int = 0
 
     @property
     def name(self) -> str:
@@ -166,8 +169,10 @@ def predict(cluster: ClusterSpec, work: Workload, cp_size: int, team_size: int, 
     compute = compute_fwd + compute_bwd
     kept = work.layers * kept_for_backward_bytes(shape, ulysses_size=u, team_size=c,
                                                  regather_in_backward=regather_in_backward)
+    peak = activation_peak_bytes(shape, layers=work.layers, cp_size=cp_size, team_size=c, ulysses_size=u,
+                                 regather_in_backward=regather_in_backward)
     return Prediction(u, c, transfer, total, compute, max(0.0, total - compute), sum(b for _, b in phases),
-                      regather_in_backward and c > 1, kept)
+                      regather_in_backward and c > 1, kept, peak)
 
 
 def _fitting(cluster, work, cp_size, c, u, transfer, memory_limit_bytes) -> Prediction | None:
@@ -175,16 +180,16 @@ def _fitting(cluster, work, cp_size, c, u, transfer, memory_limit_bytes) -> Pred
     that fits, else with it (ring attention keeps the same either way), else None."""
     for regather in (False, True) if c > 1 else (False,):
         pred = predict(cluster, work, cp_size, c, u, transfer, regather)
-        if memory_limit_bytes is None or pred.activation_bytes <= memory_limit_bytes:
+        if memory_limit_bytes is None or pred.peak_bytes <= memory_limit_bytes:
             return pred
     return None
 
 
 def plan(cluster: ClusterSpec, work: Workload, cp_size: int, *, transfers=("ring", "multiring"),
          memory_limit_bytes: int | None = None) -> list[Prediction]:
-    """Every valid (U, C, transfer) within ``memory_limit_bytes`` (per rank, what
-    ``work.layers`` attention layers keep for backward; regathering where only that fits
-    it), fastest first."""
+    """Every valid (U, C, transfer) within ``memory_limit_bytes`` (per rank, the peak of
+    ``work.layers`` attention layers' kept tensors plus one layer's forward or backward
+    buffers; regathering where only that fits it), fastest first."""
     out = []
     for u in range(1, cp_size + 1):
         if cp_size % u or work.heads % u or (work.kv_heads % u and u % work.kv_heads):
@@ -209,7 +214,8 @@ def choose_plan(*, cp_size: int, ulysses_size: int, gpus_per_node: int, seq_leng
                 cluster: ClusterSpec | None = None, v_head_dim: int | None = None, layers: int = 1,
                 memory_limit_bytes: int | None = None) -> Prediction:
     """The fastest (team size, regathering) for this CP size and Ulysses degree whose
-    ``layers`` attention layers keep at most ``memory_limit_bytes`` per rank for backward.
+    ``layers`` attention layers peak at most ``memory_limit_bytes`` per rank (what they
+    keep for backward plus one layer's transient buffers).
 
     Without ``cluster``: the ``DEFAULT_CLUSTER`` preset with ``gpus_per_node`` CP ranks per
     node. Raises ValueError when nothing fits."""
@@ -220,10 +226,10 @@ def choose_plan(*, cp_size: int, ulysses_size: int, gpus_per_node: int, seq_leng
     found = [pred for c in valid_team_sizes(cp_size // ulysses_size)
              if (pred := _fitting(cluster, work, cp_size, c, ulysses_size, "ring", memory_limit_bytes)) is not None]
     if not found:
-        least = predict(cluster, work, cp_size, 1, ulysses_size).activation_bytes
+        least = predict(cluster, work, cp_size, 1, ulysses_size).peak_bytes
         raise ValueError(
             f"no StarTrail team size keeps the attention's activations within "
-            f"--startrail-memory-limit-gb {memory_limit_bytes / 1e9:g}: even ring attention keeps "
+            f"--startrail-memory-limit-gb {memory_limit_bytes / 1e9:g}: even ring attention peaks at "
             f"{least / 1e9:.3g} GB per rank ({layers} layers); raise the limit or --context-parallel-size")
     return min(found, key=lambda p: p.time_s)
 
@@ -275,7 +281,7 @@ def main() -> None:
                     args.head_dim, args.batch, args.dtype_bytes, not args.no_causal, args.v_head_dim, args.num_layers)
     limit = None if args.memory_limit_gb is None else int(args.memory_limit_gb * 1e9)
     print(f"{'configuration':36} {'time ms':>9} {'compute ms':>11} {'exposed comm ms':>16} "
-          f"{'inter-node MiB/node':>20} {'kept for bwd GB/rank':>21}")
+          f"{'inter-node MiB/node':>20} {'kept for bwd GB/rank':>21} {'peak GB/rank':>13}")
     preds = plan(cluster, work, args.cp_size, memory_limit_bytes=limit)
     if not preds:
         print(f"no configuration keeps the attention's activations of {args.num_layers} layers within "
@@ -283,7 +289,7 @@ def main() -> None:
     for pred in preds:
         print(f"{pred.name:36} {pred.time_s * 1e3:9.2f} {pred.compute_s * 1e3:11.2f} "
               f"{pred.exposed_comm_s * 1e3:16.2f} {pred.internode_bytes / 2**20:20.1f} "
-              f"{pred.activation_bytes / 1e9:21.3f}")
+              f"{pred.activation_bytes / 1e9:21.3f} {pred.peak_bytes / 1e9:13.3f}")
 
 
 if __name__ == "__main__":

@@ -92,11 +92,25 @@ def _exchange(comm, lanes, position, tensors, incoming, *, op, channel, counts_a
     return comm.post(sends, recvs, op=op, channel=channel, counts_as_step=counts_as_step)
 
 
-def _join(contribs: list[Payloads]) -> list[list[torch.Tensor]]:
-    """Per lane, the gradients of the pieces of one step, concatenated in row order."""
-    if len(contribs) == 1:
-        return [list(c) for c in contribs[0]]
-    return [[torch.cat(parts) for parts in zip(*lane)] for lane in zip(*contribs)]
+class _Contributions:
+    """The gradients of one step's pieces, written into one tensor per lane and payload
+    tensor as they come (not kept per piece and concatenated: that would hold the step's
+    gradients twice at the end of the step)."""
+
+    def __init__(self, payloads: Payloads) -> None:
+        self._rows = [lane[0].shape[0] for lane in payloads]
+        self.tensors: list[list[torch.Tensor]] | None = None
+
+    def add(self, contrib: Payloads, rows: Sequence[tuple[int, int]], whole: bool) -> None:
+        if whole:  # the step's payload in one piece: its gradients as they are
+            self.tensors = [list(c) for c in contrib]
+            return
+        if self.tensors is None:
+            self.tensors = [[c.new_empty((n,) + tuple(c.shape[1:])) for c in lane]
+                            for lane, n in zip(contrib, self._rows)]
+        for lane_full, lane_c, (a, b) in zip(self.tensors, contrib, rows):
+            for full, c in zip(lane_full, lane_c):
+                full[a:b].copy_(c)
 
 
 def rotate(
@@ -129,8 +143,9 @@ def rotate(
         hops, incoming = [], None
         if step < steps - 1:
             incoming = [[torch.empty_like(t) for t in lane_tensors] for lane_tensors in payloads]
-        contribs = []
-        for index, piece in enumerate(pieces if step == 0 and pieces is not None else _whole(payloads)):
+        contribs = _Contributions(payloads)
+        step_pieces = pieces if step == 0 and pieces is not None else _whole(payloads)
+        for index, piece in enumerate(step_pieces):
             if piece.landed is not None:
                 piece.landed.wait()
             held = _rows(payloads, piece.rows)
@@ -139,14 +154,18 @@ def rotate(
                 # sets the pace; the payload transfer overlaps it and adds no step of its own.
                 hops.append(_exchange(comm, lanes, position, held, _rows(incoming, piece.rows), op=op,
                                       channel="ring", counts_as_step=index == 0 and not accumulate))
-            contribs.append(compute(step, held, piece.rows))
+            contrib = compute(step, held, piece.rows)
+            if accumulate:
+                contribs.add(contrib, piece.rows, whole=len(step_pieces) == 1)
+            del contrib
         if accumulate:
-            contrib = _join(contribs)
+            contrib = contribs.tensors
             if acc_pending is not None:
                 acc_pending.wait()
                 for lane_c, lane_r in zip(contrib, acc_in):
                     for c, r in zip(lane_c, lane_r):
                         c.add_(r)
+                acc_in = home = None  # added in: free it before the next buffer is made
             if steps > 1:
                 acc_in = [[torch.empty_like(c) for c in lane_c] for lane_c in contrib]
                 acc_pending = _exchange(comm, lanes, position, contrib, acc_in, op=op + "_grad",

@@ -8,7 +8,7 @@ read from the benchmark runs committed under benchmarks/results/.
 import glob
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 
@@ -17,6 +17,7 @@ from benchmarks.planner_validation import TOLERANCE, cluster_key, load
 from benchmarks.ranking import check_ranking
 from megatron_startrail.accounting import AttentionShape, expected_comm, kept_for_backward_bytes
 from megatron_startrail.cluster import DEFAULT_CLUSTER, IB_EFFICIENCY, ClusterSpec, preset
+from megatron_startrail.memory_model import layer_memory_bytes
 from megatron_startrail.planner import (
     BACKWARD_FLOPS_RATIO,
     Workload,
@@ -234,19 +235,32 @@ def test_a_slow_inter_node_link_prefers_teams_and_fast_links_prefer_the_ring():
 
 def test_memory_limit_leaves_out_configurations_or_makes_them_regather():
     cluster = unlimited(nodes=2, gpus_per_node=8, intra_node_gbs=1.0, inter_node_gbs=50 / 8 / 1000)
-    shape = shape_of(WORK, 16)
-    ring = kept_for_backward_bytes(shape, ulysses_size=1, team_size=1, regather_in_backward=False)
-    free = {(p.ulysses_size, p.name) for p in plan(cluster, WORK, 16, transfers=("ring",))}
-    # Room for ring attention's activations only: StarTrail stays, regathering in the backward.
-    tight = plan(cluster, WORK, 16, transfers=("ring",), memory_limit_bytes=ring)
-    assert {(p.ulysses_size, p.name.replace("-regather", "")) for p in tight} == free
-    assert all(p.activation_bytes <= ring for p in tight)
-    assert [p.regather_in_backward for p in tight if p.ulysses_size == 1 and p.team_size == 2] == [True]
+    work = replace(WORK, layers=8)  # enough layers for regathering to pay for its transient
+    free = {(p.ulysses_size, p.name): p for p in plan(cluster, work, 16, transfers=("ring",))}
+    # The peak is every layer's kept tensors plus one layer's transient (memory_model.py).
+    for p in free.values():
+        shape = shape_of(work, 16)
+        kept = kept_for_backward_bytes(shape, ulysses_size=p.ulysses_size, team_size=p.team_size,
+                                       regather_in_backward=p.regather_in_backward)
+        layer = layer_memory_bytes(shape, cp_size=16, team_size=p.team_size, ulysses_size=p.ulysses_size,
+                                   regather_in_backward=p.regather_in_backward)
+        assert p.activation_bytes == 8 * kept and p.peak_bytes == 8 * kept + layer["peak"] - layer["kept"]
+    # Room for every configuration only if it regathers: all stay, the teams regathering.
+    regathered = {key: predict(cluster, work, 16, p.team_size, p.ulysses_size, regather_in_backward=True)
+                  for key, p in free.items() if p.team_size > 1}
+    limit = max(p.peak_bytes for p in regathered.values())
+    assert all(p.peak_bytes > limit for key, p in free.items() if key in regathered)  # without: over the limit
+    tight = plan(cluster, work, 16, transfers=("ring",), memory_limit_bytes=limit)
+    assert {(p.ulysses_size, p.name.replace("-regather", "")) for p in tight} == set(free)
+    assert all(p.peak_bytes <= limit for p in tight)
+    assert all(p.regather_in_backward for p in tight if p.team_size > 1)
     # Regathering costs time: the same configuration without it is faster when memory allows.
-    loose = {(p.ulysses_size, p.team_size): p.time_s for p in plan(cluster, WORK, 16, transfers=("ring",))}
+    loose = {(p.ulysses_size, p.team_size): p.time_s for p in free.values()}
     assert all(p.time_s > loose[p.ulysses_size, p.team_size] for p in tight if p.regather_in_backward)
-    # Below ring attention's activations nothing fits; auto says which flag to change.
-    assert plan(cluster, WORK, 16, memory_limit_bytes=ring - 1) == []
+    # Below the smallest peak nothing fits; auto says which flag to change.
+    least = min(p.peak_bytes for p in tight)
+    assert plan(cluster, work, 16, memory_limit_bytes=least - 1) == []
     with pytest.raises(ValueError, match="--startrail-memory-limit-gb"):
         choose_team_size(cp_size=16, ulysses_size=1, gpus_per_node=8, seq_length=8192, num_heads=4, num_kv_heads=4,
-                         head_dim=32, micro_batch_size=1, dtype_bytes=4, cluster=cluster, memory_limit_bytes=ring - 1)
+                         head_dim=32, micro_batch_size=1, dtype_bytes=4, cluster=cluster, layers=8,
+                         memory_limit_bytes=least - 1)

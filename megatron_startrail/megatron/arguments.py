@@ -83,8 +83,8 @@ def add_startrail_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     )
     group.add_argument(
         "--startrail-memory-limit-gb", type=float, default=None, metavar="GB",
-        help="Per-rank limit (1e9 bytes) for what the attention layers of a pipeline stage keep for "
-        "the backward of ONE micro-batch (with 1F1B a stage holds up to --pipeline-model-parallel-size "
+        help="Per-rank limit (1e9 bytes) for the attention layers of a pipeline stage: what they keep for "
+        "the backward of ONE micro-batch plus one layer's transient buffers while it runs (with 1F1B a stage holds up to --pipeline-model-parallel-size "
         "micro-batches: divide your budget accordingly): --startrail-team-size auto leaves out team "
         "sizes over it, and regathering in the backward is switched on where only that makes a team "
         "size fit.",
@@ -246,7 +246,8 @@ def _auto_plan(args, heads: int, kv_heads: int) -> None:
 
 def _fit_memory_limit(args, heads: int, kv_heads: int) -> None:
     """A given team size under --startrail-memory-limit-gb: regather if only that fits."""
-    from ..accounting import AttentionShape, kept_for_backward_bytes  # noqa: PLC0415
+    from ..accounting import AttentionShape  # noqa: PLC0415
+    from ..memory_model import activation_peak_bytes  # noqa: PLC0415
 
     inputs = _planner_inputs(args, heads, kv_heads)
     shape = AttentionShape(args.seq_length // args.context_parallel_size, args.micro_batch_size, heads, kv_heads,
@@ -256,16 +257,17 @@ def _fit_memory_limit(args, heads: int, kv_heads: int) -> None:
             args.context_parallel_size // args.ulysses_degree_in_cp):
         return  # the team-size check below names the problem
 
-    def kept(regather: bool) -> int:
-        return inputs["layers"] * kept_for_backward_bytes(shape, ulysses_size=args.ulysses_degree_in_cp,
-                                                          team_size=c, regather_in_backward=regather)
+    def peak(regather: bool) -> int:
+        return activation_peak_bytes(shape, layers=inputs["layers"], cp_size=args.context_parallel_size,
+                                     team_size=c, ulysses_size=args.ulysses_degree_in_cp,
+                                     regather_in_backward=regather)
 
-    if kept(args.startrail_regather_in_backward) <= limit:
+    if peak(args.startrail_regather_in_backward) <= limit:
         return
-    if kept(True) > limit:
+    if peak(True) > limit:
         raise ValueError(
-            f"--startrail-team-size {c} keeps {kept(True) / 1e9:.3g} GB per rank for the backward of "
-            f"{inputs['layers']} attention layers even with --startrail-regather-in-backward, over "
+            f"--startrail-team-size {c} peaks at {peak(True) / 1e9:.3g} GB per rank in the attention of "
+            f"{inputs['layers']} layers even with --startrail-regather-in-backward, over "
             f"--startrail-memory-limit-gb {args.startrail_memory_limit_gb:g}: raise the limit or "
             "--context-parallel-size"
         )

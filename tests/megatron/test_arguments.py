@@ -81,27 +81,34 @@ def test_auto_team_size_asks_the_planner_with_the_flags_values(monkeypatch):
 
 
 def test_memory_limit_turns_on_regathering_when_only_that_fits(monkeypatch):
-    from megatron_startrail.accounting import AttentionShape, kept_for_backward_bytes  # noqa: PLC0415
+    from megatron_startrail.accounting import AttentionShape  # noqa: PLC0415
+    from megatron_startrail.memory_model import activation_peak_bytes  # noqa: PLC0415
 
     flags = ["--context-parallel-size", "8", "--context-parallel-algo", "startrail", "--startrail-team-size", "2",
-             "--seq-length", "4096", "--max-position-embeddings", "4096"]
+             "--seq-length", "4096", "--max-position-embeddings", "4096", "--num-layers", "8"]
     shape = AttentionShape(4096 // 8, 1, 8, 8, 8, 4)
-    ring = 2 * kept_for_backward_bytes(shape, ulysses_size=1, team_size=1, regather_in_backward=False)  # 2 layers
+
+    def peak(team_size, regather):  # 8 layers
+        return activation_peak_bytes(shape, layers=8, cp_size=8, team_size=team_size, regather_in_backward=regather)
+
+    # 8 layers' kept team buffers weigh more than what regathering adds to one layer's backward.
+    assert peak(2, True) < peak(2, False)
     args = parse(monkeypatch, *flags)
     validate_startrail_args(args)
     assert args.startrail_regather_in_backward is False
-    args = parse(monkeypatch, *flags, "--startrail-memory-limit-gb", str(ring / 1e9))
+    args = parse(monkeypatch, *flags, "--startrail-memory-limit-gb", str(peak(2, True) / 1e9))
     validate_startrail_args(args)
     assert args.startrail_regather_in_backward is True
-    args = parse(monkeypatch, *flags, "--startrail-memory-limit-gb", str((ring - 1000) / 1e9))
+    args = parse(monkeypatch, *flags, "--startrail-memory-limit-gb", str((peak(2, True) - 1000) / 1e9))
     with pytest.raises(ValueError, match="--startrail-memory-limit-gb"):
         validate_startrail_args(args)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    args = parse(monkeypatch, *flags[:4], "--startrail-memory-limit-gb", str(ring / 1e9), "--seq-length", "4096",
-                 "--max-position-embeddings", "4096")
+    args = parse(monkeypatch, *flags[:4], "--startrail-memory-limit-gb", str(peak(2, True) / 1e9), "--seq-length",
+                 "4096", "--max-position-embeddings", "4096", "--num-layers", "8")
     validate_startrail_args(args)  # auto: whatever C it picks fits, regathering if C > 1
-    assert args.startrail_team_size in (1, 2)
-    assert args.startrail_regather_in_backward is (args.startrail_team_size > 1)
+    chosen = (args.startrail_team_size, args.startrail_regather_in_backward)
+    assert chosen in ((1, False), (2, True))
+    assert peak(*chosen) <= peak(2, True)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,54 @@
+"""The closed form of one layer's live bytes (megatron_startrail/memory_model.py) against
+the measured peak (benchmarks/peak_memory.py: CPU allocator events, forked gloo ranks)."""
+
+import pytest
+
+from benchmarks.peak_memory import run
+from megatron_startrail.accounting import AttentionShape, kept_for_backward_bytes
+from megatron_startrail.memory_model import activation_peak_bytes, layer_memory_bytes
+
+SHAPE = AttentionShape(256, 1, 4, 4, 32, 4)
+
+
+@pytest.fixture(scope="module")
+def measured():
+    # P = 4: ring attention, StarTrail C = 2 (G = 1) with and without regathering.
+    return run([4], [2], seq=1024, heads=4, dim=32, timeout=240)
+
+
+def test_the_model_bounds_the_measured_peak(measured):
+    # The model counts the attention's own buffers; the measurement adds the CPU kernel's
+    # workspace and the autograd engine's, so it may exceed the model, by a bounded amount.
+    for row in measured:
+        model, got = row["model_peak_bytes"], row["peak_live_bytes"]
+        assert 0.85 * model <= got <= 1.45 * model, (row["config"], got, model)
+
+
+def test_regathering_keeps_what_ring_keeps_and_the_model_says_so(measured):
+    kept = {row["config"]: row["kept_bytes"] for row in measured}
+    assert kept["startrail-2-regather"] == kept["ring"] < kept["startrail-2"]
+    shape = AttentionShape(1024 // 4, 1, 4, 4, 32, 4)
+    model = {name: layer_memory_bytes(shape, cp_size=4, team_size=c, regather_in_backward=rg)["kept"]
+             for name, c, rg in (("ring", 1, False), ("startrail-2", 2, False), ("startrail-2-regather", 2, True))}
+    assert model["startrail-2-regather"] == model["ring"] < model["startrail-2"]
+
+
+@pytest.mark.parametrize("cp_size, team_size", [(8, 2), (16, 4), (16, 2)])
+def test_team_buffers_grow_with_the_team(cp_size, team_size):
+    ring = layer_memory_bytes(SHAPE, cp_size=cp_size, team_size=1)
+    team = layer_memory_bytes(SHAPE, cp_size=cp_size, team_size=team_size)
+    assert team["forward_peak"] > ring["forward_peak"] and team["backward_peak"] > ring["backward_peak"]
+    assert team["peak"] == max(team["forward_peak"], team["backward_peak"])
+
+
+def test_the_planner_peak_is_every_layers_kept_plus_one_transient():
+    for layers in (1, 4):
+        for regather in (False, True):
+            kept = kept_for_backward_bytes(SHAPE, ulysses_size=1, team_size=2, regather_in_backward=regather)
+            layer = layer_memory_bytes(SHAPE, cp_size=8, team_size=2, regather_in_backward=regather)
+            got = activation_peak_bytes(SHAPE, layers=layers, cp_size=8, team_size=2, regather_in_backward=regather)
+            assert got == layers * kept + layer["peak"] - layer["kept"]
+    # Regathering trades kept bytes for transient ones: it pays with enough layers only.
+    with_, without = (activation_peak_bytes(SHAPE, layers=16, cp_size=8, team_size=2, regather_in_backward=r)
+                      for r in (True, False))
+    assert with_ < without
