@@ -337,8 +337,8 @@ def startrail_attn(
     softmax_scale: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_padded: torch.Tensor | None = None,
-    transfer: str = "ring",
-    regather_in_backward: bool = False,
+    transfer: str | None = None,
+    regather_in_backward: bool | None = None,
     timeline: Timeline | None = None,
     cp_group=None,
     window_size: tuple[int, int] | None = None,
@@ -350,6 +350,9 @@ def startrail_attn(
     ``[s_local, b, heads, v_dim]``. GQA/MQA: ``kv_heads`` divides ``heads`` and K/V are
     never replicated to the query heads inside the ring. ``v`` may have its own head dim
     (Multi-Latent Attention); the output has it too.
+
+    ``transfer`` and ``regather_in_backward`` default to the groups' configuration
+    (``groups.config``, a :class:`~megatron_startrail.config.StarTrailConfig`).
 
     ``regather_in_backward=True`` keeps only what ring attention keeps for the backward
     (q, k, v, out, lse of this rank) and re-runs the team all-gather and the initial send
@@ -381,6 +384,11 @@ def startrail_attn(
     Megatron's ``pg_collection.cp``; it must hold the CP ranks the StarTrail groups were
     built for. The packed-document agreement runs on it (default: the StarTrail groups' own).
     """
+    # The run's settings come with the groups (StarTrailConfig); a keyword given here
+    # overrides it for this call (the functional API's tests and benchmarks).
+    transfer = groups.config.transfer if transfer is None else transfer
+    if regather_in_backward is None:
+        regather_in_backward = groups.config.regather_in_backward
     if transfer not in TRANSFERS:
         raise ValueError(f"transfer={transfer!r} is not one of {TRANSFERS}")
     thd = cu_seqlens is not None and q.dim() == 3

@@ -25,13 +25,12 @@ import torch.distributed as dist
 
 from . import nccl_rules
 from .comm import CommStats
-from .kernels.selection import KERNELS
+from .config import StarTrailConfig
 from .layout import startrail_position_chunks
 from .microbatch import MicroBatchCache
 from .topology import StarTrailTopology, check_team_size
 from .transport import ROLES, Transport, transport_for
 
-BACKWARD_ROTATIONS = ("auto", "q", "kv")
 
 
 def plan_cp_group(cp_ranks: list[int], team_size: int, ulysses_size: int) -> dict[str, list[list[int]]]:
@@ -76,8 +75,7 @@ class StarTrailGroups:
     cp_group: object | None = None  # this rank's whole CP group (the packed-document agreement)
     transport: Transport | None = field(default=None, repr=False)  # every message of the attention
     cp_transport: Transport | None = field(default=None, repr=False)  # the same, P2P over the CP group
-    backward_rotation: str = "auto"
-    kernel: str = "auto"
+    config: StarTrailConfig = field(default_factory=StarTrailConfig)  # how the attention runs on these groups
     # Per-micro-batch packed-document metadata, shared by every layer (megatron_startrail.documents).
     documents_cache: MicroBatchCache | None = field(default=None, repr=False)
     last_forward_stats: CommStats | None = field(default=None, repr=False)
@@ -90,6 +88,14 @@ class StarTrailGroups:
     @property
     def team_size(self) -> int:
         return self.topology.team_size
+
+    @property
+    def backward_rotation(self) -> str:
+        return self.config.backward_rotation
+
+    @property
+    def kernel(self) -> str:
+        return self.config.kernel
 
     def position_chunks(self, position: int) -> tuple[int, ...]:
         """Global chunk indices StarTrail position ``position`` holds (after Ulysses)."""
@@ -111,15 +117,23 @@ def torch_new_group(ranks: list[int], *, timeout, group_desc: str):
 def new_startrail_groups(
     cp_ranks: list[list[int]] | None = None,
     *,
-    team_size: int,
+    team_size: int | None = None,
     ulysses_size: int = 1,
     backward_rotation: str = "auto",
     kernel: str = "auto",
+    transfer: str = "ring",
+    regather_in_backward: bool = False,
+    config: StarTrailConfig | None = None,
     timeout: datetime.timedelta | None = None,
     create_group: Callable = torch_new_group,
     eager_init: bool = True,
 ) -> StarTrailGroups:
     """Create the StarTrail groups of every CP group; collective on every rank.
+
+    The settings are one :class:`~megatron_startrail.config.StarTrailConfig`: ``config``, or
+    built from ``team_size``, ``ulysses_size``, ``backward_rotation``, ``kernel``,
+    ``transfer`` and ``regather_in_backward`` (not both). It travels with the groups
+    (``StarTrailGroups.config``) to every attention call made with them.
 
     ``cp_ranks`` lists every CP group's global ranks (each rank in exactly one); ``None``
     means one CP group made of all ranks of the default process group. All validation
@@ -147,10 +161,13 @@ def new_startrail_groups(
         )
     if len({len(g) for g in cp_ranks}) != 1:
         raise ValueError(f"all context-parallel groups must have the same size, got {cp_ranks}")
-    if backward_rotation not in BACKWARD_ROTATIONS:
-        raise ValueError(f"backward_rotation={backward_rotation!r} is not one of {BACKWARD_ROTATIONS}")
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel={kernel!r} (--startrail-kernel) is not one of {KERNELS}")
+    if config is None:
+        if team_size is None:
+            raise ValueError("new_startrail_groups needs team_size (or a StarTrailConfig as config=)")
+        config = StarTrailConfig(team_size, ulysses_size, backward_rotation, transfer, regather_in_backward, kernel)
+    elif team_size is not None and team_size != config.team_size or ulysses_size not in (1, config.ulysses_size):
+        raise ValueError(f"pass the settings either as config={config} or as keywords, not both")
+    team_size, ulysses_size = config.team_size, config.ulysses_size
     plans = [plan_cp_group(g, team_size, ulysses_size) for g in cp_ranks]
 
     def create(rank_lists: list[list[int]], role: str) -> object | None:
@@ -201,6 +218,5 @@ def new_startrail_groups(
         transport=transport,
         cp_transport=cp_transport,
         documents_cache=MicroBatchCache(),
-        backward_rotation=backward_rotation,
-        kernel=kernel,
+        config=config,
     )

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import torch
 
+from .config import TRANSFERS  # noqa: F401 - the choices, defined with the config
 from .initial_send import PieceTransfer
 from .layout import Segment, segment_rows, split_rows, split_segments
 from .schedule import Lane, Piece
 from .topology import StarTrailTopology
 
-TRANSFERS = ("ring", "multiring")
 
 
 def sub_ring_lanes(topo: StarTrailTopology, position: int, transfer: str) -> list[Lane]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..groups import BACKWARD_ROTATIONS
+from ..config import BACKWARD_ROTATIONS
 from ..kernels.selection import KERNELS
 from ..topology import valid_team_sizes
 from ..transfer import TRANSFERS

@@ -23,7 +23,9 @@ zigzagged (``get_batch_on_this_cp_rank(..., use_per_sequence_balancing=True)``),
 them every document's padded span is (per-document balancing, SFT). See
 ``startrail_attn`` and Note [documents] in ``megatron_startrail.layout``.
 
-The StarTrail groups are passed in explicitly (``ModuleSpec.params``), never looked up.
+The StarTrail groups are passed in explicitly (``ModuleSpec.params``), never looked up; their
+``config`` (:class:`~megatron_startrail.config.StarTrailConfig`) is every StarTrail setting
+of the run (transfer, regathering, backward rotation, kernel).
 """
 
 from __future__ import annotations
@@ -88,8 +90,6 @@ class StarTrailCoreAttention(MegatronModule):
         v_channels: int | None = None,
         *,
         startrail_groups: StarTrailGroups,
-        transfer: str = "ring",
-        regather_in_backward: bool = False,
     ):
         super().__init__(config=config)
         if attention_type != "self":
@@ -125,8 +125,6 @@ class StarTrailCoreAttention(MegatronModule):
         head_dim = k_channels or config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
         self.startrail_groups = startrail_groups
-        self.transfer = transfer
-        self.regather_in_backward = regather_in_backward
         self.v_channels = v_channels  # None: value's head dim is the query's
 
     def forward(
@@ -162,9 +160,9 @@ class StarTrailCoreAttention(MegatronModule):
         # [s/CP, b, np, hn] -> [s/CP, b, np, hv]   (THD: [t/CP, np, hn] -> [t/CP, np, hv])
         out = startrail_attn(
             query, key, value, self.startrail_groups,
-            causal=causal, softmax_scale=self.softmax_scale, transfer=self.transfer,
+            causal=causal, softmax_scale=self.softmax_scale,
             cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded,
-            regather_in_backward=self.regather_in_backward, cp_group=self.cp_group, window_size=self.window_size,
+            cp_group=self.cp_group, window_size=self.window_size,
         )
         # [s/CP, b, np, hv] -> [s/CP, b, np * hv]   (THD: -> [t/CP, np * hv])
         return out.reshape(*out.shape[:-2], -1)

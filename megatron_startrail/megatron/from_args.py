@@ -8,13 +8,12 @@ So a flag added to ``arguments.py`` reaches the core attention of both once it i
 here, and neither caller can forget one (the patch once silently dropped
 ``--startrail-regather-in-backward`` because it listed the flags itself).
 
-Flags read:
-
-- the StarTrail groups: ``--startrail-team-size``, ``--ulysses-degree-in-cp``,
-  ``--startrail-backward-rotation``, ``--startrail-kernel`` (and Megatron's rank order,
-  ``--use-tp-pp-dp-mapping``, its ``--distributed-timeout-minutes`` and
-  ``--nccl-communicator-config-path``, as for Megatron's own groups);
-- the core attention: ``--startrail-transfer``, ``--startrail-regather-in-backward``.
+Flags read (:func:`config_from_args`): ``--startrail-team-size``, ``--ulysses-degree-in-cp``,
+``--startrail-backward-rotation``, ``--startrail-transfer``, ``--startrail-regather-in-backward``
+and ``--startrail-kernel`` become one :class:`~megatron_startrail.config.StarTrailConfig`,
+which the StarTrail groups carry to the core attention; Megatron's rank order
+(``--use-tp-pp-dp-mapping``), ``--distributed-timeout-minutes`` and
+``--nccl-communicator-config-path`` shape the groups as they shape Megatron's own.
 
 Call after ``validate_startrail_args`` (it resolves ``auto`` team sizes, ``tasp`` and the
 memory limit into these flags) and after ``initialize_model_parallel``.
@@ -27,6 +26,7 @@ import datetime
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from ..config import StarTrailConfig
 from ..groups import StarTrailGroups
 from .layer_specs import to_startrail_spec
 from .parallel_state import initialize_startrail
@@ -61,8 +61,7 @@ def startrail_groups_from_args(args) -> StarTrailGroups:
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("call parallel_state.initialize_model_parallel before building the StarTrail layer spec")
     options = dict(
-        team_size=args.startrail_team_size, ulysses_size=args.ulysses_degree_in_cp, order=megatron_rank_order(args),
-        backward_rotation=args.startrail_backward_rotation, kernel=args.startrail_kernel,
+        config=config_from_args(args), order=megatron_rank_order(args),
         timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
         nccl_comm_cfgs=_nccl_comm_cfgs(getattr(args, "nccl_communicator_config_path", None)),
     )
@@ -71,13 +70,23 @@ def startrail_groups_from_args(args) -> StarTrailGroups:
         groups = initialize_startrail(**options)
         _built = (cp_group, options, groups)
         if dist.get_rank() == 0:
-            print(f"> {args.context_parallel_algo}: {groups.describe()}, transfer {args.startrail_transfer}, "
-                  f"regather in backward {'on' if args.startrail_regather_in_backward else 'off'}", flush=True)
+            config = groups.config
+            print(f"> {args.context_parallel_algo}: {groups.describe()}, transfer {config.transfer}, "
+                  f"regather in backward {'on' if config.regather_in_backward else 'off'}, backward rotation "
+                  f"{config.backward_rotation}, kernel {config.kernel}", flush=True)
     return _built[2]
+
+
+def config_from_args(args) -> StarTrailConfig:
+    """Every StarTrail flag of ``args`` (after ``validate_startrail_args``) as one object."""
+    return StarTrailConfig(
+        team_size=args.startrail_team_size, ulysses_size=args.ulysses_degree_in_cp,
+        backward_rotation=args.startrail_backward_rotation, transfer=args.startrail_transfer,
+        regather_in_backward=bool(args.startrail_regather_in_backward), kernel=args.startrail_kernel,
+    )
 
 
 def startrail_spec_from_args(spec, args):
     """A copy of Megatron's layer or block ``spec`` with StarTrail core attention configured
     by every StarTrail flag in ``args`` (see the module docstring for the list)."""
-    return to_startrail_spec(spec, startrail_groups_from_args(args), transfer=args.startrail_transfer,
-                             regather_in_backward=args.startrail_regather_in_backward)
+    return to_startrail_spec(spec, startrail_groups_from_args(args))

@@ -21,14 +21,15 @@ class CallableModuleSpec(ModuleSpec):
         return self.module(*args, **self.params, **kwargs)
 
 
-def startrail_core_attention(groups: StarTrailGroups, transfer: str = "ring", regather_in_backward: bool = False):
-    """The ``core_attention`` builder: Megatron calls it with its usual keywords."""
-    return CallableModuleSpec(module=StarTrailCoreAttention, params=dict(
-        startrail_groups=groups, transfer=transfer, regather_in_backward=regather_in_backward))
+def startrail_core_attention(groups: StarTrailGroups):
+    """The ``core_attention`` builder: Megatron calls it with its usual keywords. Every
+    StarTrail setting comes with ``groups`` (``groups.config``)."""
+    return CallableModuleSpec(module=StarTrailCoreAttention, params=dict(startrail_groups=groups))
 
 
-def to_startrail_spec(spec, groups: StarTrailGroups, transfer: str = "ring", regather_in_backward: bool = False):
-    """A copy of ``spec`` whose self-attention uses StarTrail core attention.
+def to_startrail_spec(spec, groups: StarTrailGroups):
+    """A copy of ``spec`` whose self-attention uses StarTrail core attention, configured by
+    ``groups.config`` (a :class:`~megatron_startrail.config.StarTrailConfig`).
 
     Accepts a transformer-layer ``ModuleSpec`` or a block spec with ``layer_specs``
     (what ``get_gpt_decoder_block_spec`` returns), with ``SelfAttention`` or Multi-Latent
@@ -36,7 +37,7 @@ def to_startrail_spec(spec, groups: StarTrailGroups, transfer: str = "ring", reg
     :class:`PackedRopeSelfAttention` (RoPE of packed documents in the sample layout; the
     same module otherwise). Everything else is unchanged.
     """
-    return with_core_attention(spec, startrail_core_attention(groups, transfer, regather_in_backward),
+    return with_core_attention(spec, startrail_core_attention(groups),
                                {SelfAttention: PackedRopeSelfAttention})
 
 

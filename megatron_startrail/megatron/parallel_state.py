@@ -42,7 +42,7 @@ def context_parallel_groups(
 
 
 def initialize_startrail(
-    team_size: int,
+    team_size: int | None = None,
     ulysses_size: int = 1,
     *,
     order: str = DEFAULT_ORDER,
@@ -58,7 +58,8 @@ def initialize_startrail(
     ``--distributed-timeout-minutes`` as a ``timedelta``), a group description
     (``STARTRAIL_<ROLE>``) and, on NCCL, the ``"cp"`` entry of ``nccl_comm_cfgs`` (the
     parsed ``--nccl-communicator-config-path``) as ``pg_options``. ``options`` go to
-    :func:`megatron_startrail.new_startrail_groups` (``backward_rotation``, ``kernel``).
+    :func:`megatron_startrail.new_startrail_groups` (``backward_rotation``, ``kernel``,
+    ``transfer``, ``regather_in_backward``, or all settings at once as ``config``).
     """
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("call parallel_state.initialize_model_parallel before initialize_startrail")

@@ -71,10 +71,10 @@ def attention_cores(spec):
 def test_spec_helper_swaps_only_core_attention(make_spec):
     groups = object()  # the helper only passes it on
     spec = make_spec()
-    new = to_startrail_spec(spec, groups, transfer="multiring")
+    new = to_startrail_spec(spec, groups)
     (core,) = attention_cores(new)
     assert core.module is StarTrailCoreAttention
-    assert core.params == {"startrail_groups": groups, "transfer": "multiring", "regather_in_backward": False}
+    assert core.params == {"startrail_groups": groups}  # the settings travel with the groups (their config)
     assert attention_cores(spec) == [DotProductAttention]  # the original is untouched
     old_attn, new_attn = spec.submodules.self_attention, new.submodules.self_attention
     assert new_attn.params == old_attn.params

@@ -61,8 +61,9 @@ def settings(model):
     """What each StarTrail core attention of ``model`` was built with."""
     cores = [m for m in model.modules() if isinstance(m, StarTrailCoreAttention)]
     assert len(cores) == 2  # one per layer
-    return {(c.startrail_groups.team_size, c.startrail_groups.ulysses_size, c.transfer, c.regather_in_backward,
-             c.startrail_groups.backward_rotation, c.startrail_groups.kernel) for c in cores}
+    configs = {c.startrail_groups.config for c in cores}
+    return {(c.team_size, c.ulysses_size, c.transfer, c.regather_in_backward, c.backward_rotation, c.kernel)
+            for c in configs}
 
 
 def patched_script_model(flags):
