@@ -135,8 +135,8 @@ class PackedRopeSelfAttention(SelfAttention):
             return super().forward(hidden_states, attention_mask, **kwargs)
         if not isinstance(rotary_pos_emb, tuple):
             rotary_pos_emb = (rotary_pos_emb, rotary_pos_emb)
-        # hidden_states [t/CP, 1, hidden]: the sample holds t = t/CP * CP tokens (no host sync).
-        total = hidden_states.shape[0] * cp_group.size()
+        # hidden_states [t/CP, 1, hidden] ([t/(CP*TP), ...] with --sequence-parallel): t from the shape.
+        total = packed_sample_tokens(hidden_states, self.config, cp_group.size())
         positions_q, positions_kv = (self._positions(cu, cp_group, total) for cu in
                                      (packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv))
         # GPTModel gives the table of positions 0..max_seqlen-1, [max_seqlen, 1, 1, d]
