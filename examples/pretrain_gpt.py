@@ -14,7 +14,8 @@ its ``training_log`` lines, plus tokens/s). The only StarTrail-specific step is 
 :func:`model_provider`: ``startrail_spec_from_args`` (shared with the Megatron-LM patch in
 ``patches/``) builds the StarTrail groups once and returns the layer spec with StarTrail core
 attention and, for packed documents, the sample-layout RoPE of
-``megatron_startrail.megatron.packed_rope``.
+``megatron_startrail.megatron.packed_rope`` (Multi-Latent Attention: per-document RoPE and
+unpadded V, ``megatron_startrail.megatron.packed_mla``).
 
 Runs on GPUs (nccl, Transformer Engine spec when ``--transformer-impl
 transformer_engine``) and on CPU-only machines (gloo, local spec, with
