@@ -14,7 +14,8 @@ its ``training_log`` lines, plus tokens/s). The only StarTrail-specific step is 
 :func:`model_provider`: ``startrail_spec_from_args`` (shared with the Megatron-LM patch in
 ``patches/``) builds the StarTrail groups once and returns the layer spec with StarTrail core
 attention and, for packed documents, the sample-layout RoPE of
-``megatron_startrail.megatron.packed_rope``.
+``megatron_startrail.megatron.packed_rope`` (Multi-Latent Attention: per-document RoPE and
+unpadded V, ``megatron_startrail.megatron.packed_mla``).
 
 Runs on GPUs (nccl, Transformer Engine spec when ``--transformer-impl
 transformer_engine``) and on CPU-only machines (gloo, local spec, with
@@ -131,8 +132,16 @@ def validate_example_args(args) -> None:
             "Megatron's own context parallelism needs --transformer-impl transformer_engine (a GPU); "
             "use --context-parallel-algo startrail with the local implementation"
         )
+    mla_local = args.multi_latent_attention and args.transformer_impl == "local"  # LocalMLACoreAttention at CP 1
+    if mla_local and args.context_parallel_algo == "megatron" and args.reset_attention_mask:
+        # LocalMLACoreAttention is causal over the sequence (it reads no mask tensor), and MLA
+        # rotates by sequence position, not by --reset-position-ids: the dense mask cannot work.
+        raise ValueError(
+            "--reset-attention-mask with --multi-latent-attention: use --dataloader-inter-document-masking "
+            "(packed documents, THD) for document masking with MLA"
+        )
     if args.dataloader_inter_document_masking and args.context_parallel_algo == "megatron" \
-            and args.transformer_impl != "transformer_engine":
+            and args.transformer_impl != "transformer_engine" and not mla_local:
         # The local DotProductAttention asserts packed_seq_params is None.
         raise ValueError(
             "--dataloader-inter-document-masking (packed documents, THD) needs --context-parallel-algo "
@@ -202,7 +211,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         # (the StarTrail groups are built on the first call, on every rank, in the same order).
         spec = startrail_spec_from_args(spec, args)
     elif mla and args.transformer_impl == "local":  # Megatron's local core attention takes no MLA head dims
-        spec = with_core_attention(spec, LocalMLACoreAttention)
+        spec = with_core_attention(spec, LocalMLACoreAttention)  # (nor packed documents; this one does)
     return GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings, pre_process=pre_process, post_process=post_process,

@@ -7,6 +7,10 @@
 #             (Megatron's own attention with its dense per-document mask from EOD tokens)
 #   no mask:  2 ranks, TP2, CP=1, plain causal attention across documents
 # packed must equal dense (<= 1e-4 relative) and differ from no mask.
+# With --multi-latent-attention among the extra arguments (e.g. --multi-latent-attention
+# --qk-head-dim 32 --qk-pos-emb-head-dim 16 --v-head-dim 16 --kv-lora-rank 32 --rope-type rope)
+# the CP=1 twin reads the same packed documents (--dataloader-inter-document-masking, THD)
+# instead of a dense mask: MLA rotates by sequence position, not by --reset-position-ids.
 # Default data: --mock-data, NullTokenizer, --vocab-size ${VOCAB:-4096}, --seq-length
 # ${SEQ:-4096}. Extra arguments go to all three runs (later flags win).
 # Why 4096: Megatron's MockGPTLowLevelDataset fills a document of length L (1 <= L < 4096) with
@@ -37,11 +41,17 @@ COMMON=("${DATA_ARGS[@]}"
 run() { local nproc=$1 log=$2; shift 2; torchrun --nproc-per-node "$nproc" examples/pretrain_gpt.py "$@" > "$OUT/$log" 2>&1; }
 run 8 packed.log "${COMMON[@]}" --context-parallel-size 4 --context-parallel-algo startrail \
     --startrail-team-size 2 --dataloader-inter-document-masking
-run 2 dense.log "${COMMON[@]}" --context-parallel-size 1 --reset-attention-mask --reset-position-ids
+DOCUMENTS_CP1=(--reset-attention-mask --reset-position-ids) REFERENCE="dense CP=1"
+for arg in "$@"; do
+    if [ "$arg" = --multi-latent-attention ]; then
+        DOCUMENTS_CP1=(--dataloader-inter-document-masking) REFERENCE="packed CP=1"
+    fi
+done
+run 2 dense.log "${COMMON[@]}" --context-parallel-size 1 "${DOCUMENTS_CP1[@]}"
 run 2 nomask.log "${COMMON[@]}" --context-parallel-size 1
 loss() { grep -o 'iteration *[0-9]*/ *[0-9]* \|lm loss: [0-9.E+-]*' "$1" | paste - - | awk '{print $2, $6}'; }
 echo "logs in $OUT"
-printf '%-10s %-14s %-14s %-10s %-14s %s\n' iteration "packed TP2xCP4" "dense CP=1" "rel.diff" "no mask CP=1" "rel.diff"
+printf '%-10s %-14s %-14s %-10s %-14s %s\n' iteration "packed TP2xCP4" "$REFERENCE" "rel.diff" "no mask CP=1" "rel.diff"
 join <(loss "$OUT/packed.log") <(loss "$OUT/dense.log") | join - <(loss "$OUT/nomask.log") |
     awk 'function rel(a, b) { d = (a - b) / b; return d < 0 ? -d : d }
          { sub("/", "", $1); printf "%-10s %-14s %-14s %-10.1e %-14s %.1e\n", $1, $2, $3, rel($2, $3), $4, rel($2, $4) }'

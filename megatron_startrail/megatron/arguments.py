@@ -114,15 +114,15 @@ def validate_startrail_args(args) -> None:
             f"--context-parallel-algo {algo} needs --context-parallel-size > 1 "
             f"(got {cp}); for a run without context parallelism use --context-parallel-algo megatron"
         )
-    if getattr(args, "multi_latent_attention", False) and (
-        getattr(args, "dataloader_inter_document_masking", False) or getattr(args, "sft", False)
-    ):
-        # Megatron's MLA pads V to the q/k head dim for packed (THD) input and applies its
-        # per-document-zigzag THD RoPE, which is wrong for the whole-sample zigzag of
-        # pretraining; StarTrail replaces that RoPE for SelfAttention only.
+    if (getattr(args, "multi_latent_attention", False) and getattr(args, "dataloader_inter_document_masking", False)
+            and getattr(args, "apply_rope_fusion", False)):
+        # StarTrail's MLA layer (megatron/packed_mla.py) rotates by per-document position in
+        # the sample layout unfused; Megatron's fused MLA RoPE kernel (YaRN) computes positions
+        # of the other, per-document zigzag itself.
         raise ValueError(
-            f"--multi-latent-attention with packed documents (--dataloader-inter-document-masking / --sft) "
-            f"is not supported with --context-parallel-algo {algo}: drop one of them"
+            f"--multi-latent-attention with --dataloader-inter-document-masking and --context-parallel-algo "
+            f"{algo}: Megatron's fused MLA RoPE assumes each document zigzagged on its own, not the whole "
+            "packed sample; add --no-rope-fusion"
         )
     if algo == "tasp":
         if args.startrail_team_size not in (AUTO, 1):

@@ -175,6 +175,15 @@ class LocalMLACoreAttention(MegatronModule):
     without Transformer Engine (e.g. on a CPU) has no core attention otherwise::
 
         query/key [s, b, np, k_channels], value [s, b, np, v_channels] -> [s, b, np * v_channels]
+
+    Packed documents (``PackedSeqParams(qkv_format="thd")``, CP = 1, either layout: the CP = 1
+    twin of a StarTrail run) are one sample, and a token sees the earlier real tokens of its
+    own document; padding rows of the document layout see nothing and give 0::
+
+        query/key [t, np, k_channels], value [t, np, hv] -> [t, np * hv]
+
+    (hv: Megatron's MLA pads V to k_channels for THD input and trims the output itself.)
+    Written for clarity, not speed: it builds the ``[s, s]`` mask.
     """
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str = "self",
@@ -191,13 +200,45 @@ class LocalMLACoreAttention(MegatronModule):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("LocalMLACoreAttention takes dense [s, b, np, hn] input without bias")
-        # [s, b, np, hn] -> [b, np, s, hn], float32 scores with the causal mask
-        q, k, v = (t.permute(1, 2, 0, 3).float() for t in (query, key, value))
-        scores = torch.matmul(q, k.transpose(-1, -2)) * self.softmax_scale
-        s = scores.shape[-1]
-        scores = scores.masked_fill(~torch.ones(s, s, dtype=torch.bool, device=q.device).tril(), float("-inf"))
-        out = torch.matmul(torch.softmax(scores, dim=-1), v).to(query.dtype)
-        # [b, np, s, hv] -> [s, b, np * hv]
-        return out.permute(2, 0, 1, 3).reshape(s, out.shape[0], -1)
+        if attention_bias is not None:
+            raise ValueError("LocalMLACoreAttention takes no attention bias")
+        if packed_seq_params is None:
+            # [s, b, np, hn] -> [b, np, s, hn]; causal over the whole sequence
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+            s = q.shape[-2]
+            out = _masked_attention(q, k, v, torch.ones(s, s, dtype=torch.bool, device=q.device).tril(),
+                                    self.softmax_scale)
+            # [b, np, s, hv] -> [s, b, np * hv]
+            return out.permute(2, 0, 1, 3).reshape(s, out.shape[0], -1)
+        if query.dim() != 3:
+            raise ValueError("LocalMLACoreAttention takes packed documents as [t, np, hn] (THD)")
+        # [t, np, hn] -> [1, np, t, hn]; causal inside each document
+        q, k, v = (t.permute(1, 0, 2).unsqueeze(0) for t in (query, key, value))
+        out = _masked_attention(q, k, v, _document_mask(packed_seq_params, query.shape[0], query.device),
+                                self.softmax_scale)
+        # [1, np, t, hv] -> [t, np * hv]
+        return out[0].permute(1, 0, 2).reshape(query.shape[0], -1)
+
+
+def _document_mask(packed_seq_params, tokens: int, device) -> torch.Tensor:
+    """``[t, t]`` bool: query i may see key j (same document, j <= i, both real tokens), for
+    packed documents at CP = 1 (the real tokens open each padded span)."""
+    cu_seqlens, cu_seqlens_padded = (t.to(device=device, dtype=torch.int64) if t is not None else None
+                                     for t in packed_documents(packed_seq_params))
+    spans = cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded
+    row = torch.arange(tokens, device=device)
+    document = torch.searchsorted(spans[1:], row, right=True)
+    real = row - spans[document] < (cu_seqlens[1:] - cu_seqlens[:-1])[document]
+    same = document[:, None] == document[None, :]
+    return same & real[:, None] & real[None, :] & torch.ones(tokens, tokens, dtype=torch.bool, device=device).tril()
+
+
+def _masked_attention(q, k, v, allowed, scale):
+    """Softmax attention in float32: q/k ``[b, np, s, hn]``, v ``[b, np, s, hv]``, ``allowed``
+    ``[s, s]`` -> ``[b, np, s, hv]`` in q's dtype; a row that may see nothing gives 0."""
+    seen = allowed.any(dim=-1, keepdim=True)  # [s, 1]
+    # A row without keys attends to itself (finite softmax, no NaN in the backward), then is zeroed.
+    allowed = allowed | (torch.eye(allowed.shape[0], dtype=torch.bool, device=allowed.device) & ~seen)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) * seen
+    return torch.matmul(probs, v.float()).to(q.dtype)

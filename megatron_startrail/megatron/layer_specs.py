@@ -5,11 +5,20 @@ from __future__ import annotations
 import copy
 
 from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.multi_latent_attention import FusedMLASelfAttention, MLASelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from ..groups import StarTrailGroups
 from .core_attention import StarTrailCoreAttention
+from .packed_mla import PackedRopeFusedMLASelfAttention, PackedRopeMLASelfAttention
 from .packed_rope import PackedRopeSelfAttention
+
+# Megatron's self-attention modules -> the same with RoPE (and, for MLA, V) fixed for packed documents.
+PACKED_DOCUMENT_ATTENTION = {
+    SelfAttention: PackedRopeSelfAttention,
+    MLASelfAttention: PackedRopeMLASelfAttention,
+    FusedMLASelfAttention: PackedRopeFusedMLASelfAttention,
+}
 
 
 class CallableModuleSpec(ModuleSpec):
@@ -33,12 +42,13 @@ def to_startrail_spec(spec, groups: StarTrailGroups):
 
     Accepts a transformer-layer ``ModuleSpec`` or a block spec with ``layer_specs``
     (what ``get_gpt_decoder_block_spec`` returns), with ``SelfAttention`` or Multi-Latent
-    Attention (``MLASelfAttention``). Megatron's ``SelfAttention`` becomes
-    :class:`PackedRopeSelfAttention` (RoPE of packed documents in the sample layout; the
-    same module otherwise). Everything else is unchanged.
+    Attention (``MLASelfAttention``, ``FusedMLASelfAttention``). Megatron's ``SelfAttention``
+    becomes :class:`PackedRopeSelfAttention` (RoPE of packed documents in the sample layout),
+    the MLA ones their :class:`~.packed_mla.PerDocumentRopeMLA` versions (per-document RoPE in
+    both packed layouts, V at its own head dim); each is the same module otherwise.
+    Everything else is unchanged.
     """
-    return with_core_attention(spec, startrail_core_attention(groups),
-                               {SelfAttention: PackedRopeSelfAttention})
+    return with_core_attention(spec, startrail_core_attention(groups), PACKED_DOCUMENT_ATTENTION)
 
 
 def with_core_attention(spec, core_attention, replace_attention: dict | None = None):

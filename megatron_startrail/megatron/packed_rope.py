@@ -16,6 +16,10 @@ per-document position (the ``position_ids`` that ``GPTDataset`` writes: global i
 the start of its document), with the frequencies GPTModel computed, and gives Megatron's
 own RoPE nothing to do. Every other case (no packing, CP = 1, the per-document layout with
 ``cu_seqlens_*_padded``, which Megatron rotates correctly) is Megatron's code unchanged.
+
+:func:`held_rope_positions` gives the per-document positions of the held rows in either
+layout (:func:`sample_layout_positions`, :func:`document_layout_positions`) for Multi-Latent
+Attention, which computes its own RoPE table (``packed_mla.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from __future__ import annotations
 import torch
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.transformer.attention import SelfAttention
+
+from .core_attention import packed_documents
 
 
 def sample_layout_positions(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int,
@@ -51,6 +57,60 @@ def sample_layout_positions(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int
     return held - cu_seqlens[document]
 
 
+def document_layout_positions(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int,
+                              local_tokens: int) -> torch.Tensor:
+    """Per-document positions of the rows CP rank ``cp_rank`` holds in the document layout.
+
+    ``cu_seqlens_padded``: int32 ``[n_docs + 1]``, global padded spans, each a multiple of
+    2*CP (Transformer Engine's THD CP layout: every span zigzagged on its own, real tokens
+    first). ``local_tokens`` = ``cu_seqlens_padded[-1] / CP``, the rows this rank holds
+    (from a shape: no host sync). Returns int64 ``[local_tokens]``: for every document in
+    order, chunk ``cp_rank`` then chunk ``2*CP-1-cp_rank`` of its span, as positions
+    counted from the document's start (padding rows continue past its real end).
+    E.g. cu_seqlens_padded [0, 4, 12], CP 2, rank 0 holds sample rows [0, 3, 4, 5, 10, 11]
+    -> positions [0, 3, 0, 1, 6, 7]. Inconsistent input gives positions outside
+    ``[0, span)``; the core attention's agreement check then raises on every rank.
+    """
+    padded = cu_seqlens_padded.to(torch.int64)
+    local_start = padded // cp_size  # where every document's rows start on each rank: [n_docs + 1]
+    row = torch.arange(local_tokens, device=padded.device)
+    # The document of each row (right=True skips empty spans); clamped only for bad input.
+    document = torch.searchsorted(local_start[1:], row, right=True).clamp_(max=padded.numel() - 2)
+    offset = row - local_start[document]  # row within this rank's part of its document
+    chunk = (padded[document + 1] - padded[document]) // (2 * cp_size)
+    # front chunk: cp_rank * chunk + offset; back chunk: (2CP-1-cp_rank) * chunk + (offset - chunk)
+    return torch.where(offset < chunk, cp_rank * chunk + offset, (2 * cp_size - 2 - cp_rank) * chunk + offset)
+
+
+def packed_sample_tokens(hidden_states: torch.Tensor, config, cp_size: int) -> int:
+    """Tokens of the whole packed sample, from the attention input's shape (no host sync):
+    ``hidden_states`` is ``[t / (CP * TP), 1, hidden]`` with --sequence-parallel, else
+    ``[t / CP, 1, hidden]`` (the rule of Megatron's ``RotaryEmbedding.get_rotary_seq_len``)."""
+    tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    return hidden_states.shape[0] * tp * cp_size
+
+
+def held_rope_positions(packed_seq_params, cp_group, total: int, cache=None) -> torch.Tensor:
+    """Per-document RoPE positions of the rows this CP rank holds, in either packed layout:
+    int64 ``[total / CP]``. Self-attention: the query side's boundaries (the core attention
+    checks that the key/value side's are the same). ``cache``: the StarTrail groups'
+    :class:`~megatron_startrail.microbatch.MicroBatchCache`, so that the layers of a
+    micro-batch compute them once."""
+    cu_seqlens, cu_seqlens_padded = packed_documents(packed_seq_params)
+    size, rank = cp_group.size(), cp_group.rank()
+
+    def compute():
+        if cu_seqlens_padded is None:
+            return sample_layout_positions(cu_seqlens, size, rank, total)
+        return document_layout_positions(cu_seqlens_padded, size, rank, total // size)
+
+    if cache is None:
+        return compute()
+    # Keyed by Megatron's own tensors (packed_documents may hand back new squeezed views).
+    keys = (packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_q_padded)
+    return cache.get("rope_positions", keys, (total, rank), compute)
+
+
 def is_sample_layout(packed_seq_params) -> bool:
     """THD packed documents with the whole sample zigzagged (no padded per-document spans)."""
     return (
@@ -75,8 +135,8 @@ class PackedRopeSelfAttention(SelfAttention):
             return super().forward(hidden_states, attention_mask, **kwargs)
         if not isinstance(rotary_pos_emb, tuple):
             rotary_pos_emb = (rotary_pos_emb, rotary_pos_emb)
-        # hidden_states [t/CP, 1, hidden]: the sample holds t = t/CP * CP tokens (no host sync).
-        total = hidden_states.shape[0] * cp_group.size()
+        # hidden_states [t/CP, 1, hidden] ([t/(CP*TP), ...] with --sequence-parallel): t from the shape.
+        total = packed_sample_tokens(hidden_states, self.config, cp_group.size())
         positions_q, positions_kv = (self._positions(cu, cp_group, total) for cu in
                                      (packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv))
         # GPTModel gives the table of positions 0..max_seqlen-1, [max_seqlen, 1, 1, d]

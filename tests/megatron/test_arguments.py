@@ -137,8 +137,9 @@ def test_memory_limit_turns_on_regathering_when_only_that_fits(monkeypatch):
         # what the StarTrail core attention cannot do
         (["--context-parallel-size", "4", "--attention-dropout", "0.1"], "--attention-dropout 0"),
         (["--context-parallel-size", "4", "--reset-attention-mask"], "--dataloader-inter-document-masking"),
+        # MLA's fused RoPE (on by default) in the whole-sample zigzag of packed pretraining
         (["--context-parallel-size", "4", "--multi-latent-attention", "--dataloader-inter-document-masking"],
-         "--multi-latent-attention with packed documents"),
+         "add --no-rope-fusion"),
         (["--context-parallel-size", "4", "--hierarchical-context-parallel-sizes", "2", "2"],
          "--ulysses-degree-in-cp U instead"),
     ],
@@ -182,6 +183,14 @@ def test_attention_options_startrail_implements_are_accepted(monkeypatch):
         validate_startrail_args(parse(monkeypatch, "--context-parallel-size", "4", "--context-parallel-algo",
                                       "startrail", "--startrail-team-size", "2", *flags))
     validate_startrail_args(parse(monkeypatch, "--context-parallel-size", "4", "--window-size", "32,0"))
+
+
+def test_mla_with_packed_documents_is_accepted(monkeypatch):
+    """Both packed layouts with --multi-latent-attention (tests/megatron/test_gpt_packed_mla.py
+    trains them); only the fused MLA RoPE in the sample layout is refused (above)."""
+    for flags in (["--dataloader-inter-document-masking", "--no-rope-fusion"], ["--sft"], ["--sft", "--no-rope-fusion"]):
+        validate_startrail_args(parse(monkeypatch, "--context-parallel-size", "4", "--context-parallel-algo",
+                                      "startrail", "--startrail-team-size", "2", "--multi-latent-attention", *flags))
 
 
 def test_bad_flag_values_are_rejected_by_the_parser(monkeypatch):

@@ -1,5 +1,6 @@
-"""Per-micro-batch metadata: a packed-document GPT of 4 layers makes at most one host sync and
-one agreement collective per micro-batch in StarTrail's code, not one or more per layer.
+"""Per-micro-batch metadata: a packed-document GPT of 4 layers (standard attention, or
+Multi-Latent Attention with its own RoPE table) makes at most one host sync and one agreement
+collective per micro-batch in StarTrail's code, not one or more per layer.
 
 On a GPU every host sync (``tolist``, ``item``, ``int(tensor)``, ``cpu``, ``torch.equal``, ...)
 stalls the launch queue; Megatron computes per-micro-batch metadata once. CPU tensors cannot
@@ -9,6 +10,7 @@ own frames (Megatron's own are Megatron's business), with a TorchFunctionMode.
 
 import sys
 
+import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -18,7 +20,7 @@ from tests.multiproc import run_ranks
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
-from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig  # noqa: E402
 
 from megatron_startrail.megatron.layer_specs import to_startrail_spec  # noqa: E402
 from megatron_startrail.megatron.parallel_state import initialize_startrail  # noqa: E402
@@ -60,15 +62,17 @@ def packed_sample(micro_batch: int, cp: int, cp_rank: int):
     return tokens[held][None], positions[held][None], params
 
 
-def sync_worker(rank, world_size, team_size):
+def sync_worker(rank, world_size, team_size, mla):
     Utils.initialize_model_parallel(context_parallel_size=world_size)
     torch.manual_seed(0)
-    config = TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
-                               use_cpu_initialization=True, context_parallel_size=world_size, hidden_dropout=0.0,
-                               attention_dropout=0.0, bias_dropout_fusion=False)
+    common = dict(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, use_cpu_initialization=True,
+                  context_parallel_size=world_size, hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False)
+    config = (MLATransformerConfig(**common, q_lora_rank=None, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=8,
+                                   v_head_dim=4, rope_type="rope") if mla else TransformerConfig(**common))
     groups = initialize_startrail(team_size)
-    model = GPTModel(config=config, transformer_layer_spec=to_startrail_spec(get_gpt_layer_local_spec(), groups),
-                     vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope")
+    spec = to_startrail_spec(get_gpt_layer_local_spec(multi_latent_attention=mla), groups)
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
+                     position_embedding_type="rope")
     agreements = []
     start = groups.transport.collective
     groups.transport.collective = lambda fn, *a, group, label, **kw: (
@@ -86,8 +90,9 @@ def sync_worker(rank, world_size, team_size):
     return per_micro_batch
 
 
-def test_packed_gpt_syncs_once_per_micro_batch_not_per_layer():
-    for per_micro_batch in run_ranks(sync_worker, 4, args=(2,), timeout=180):
+@pytest.mark.parametrize("mla", [False, True], ids=["attention", "mla"])
+def test_packed_gpt_syncs_once_per_micro_batch_not_per_layer(mla):
+    for per_micro_batch in run_ranks(sync_worker, 4, args=(2, mla), timeout=180):
         assert len(per_micro_batch) == MICRO_BATCHES
         for calls, agreements in per_micro_batch:
             assert len(calls) <= 1, calls  # 4 layers: the one sync of the document agreement

@@ -117,3 +117,28 @@ def test_no_rope_layers_are_left_to_megatron(monkeypatch):
             assert passed is None and freqs is not None
         else:  # Megatron's forward gets the table back, to drop it itself
             assert passed is table and freqs is None
+
+
+def test_sample_layout_positions_with_sequence_parallel(monkeypatch):
+    """--sequence-parallel: the attention input holds t / (CP * TP) rows, q and k t / CP; every
+    held row still gets its own position (the table rows match q's rows, not the input's)."""
+    from megatron.core.transformer.attention import SelfAttention  # noqa: PLC0415
+    from megatron.core.packed_seq_params import PackedSeqParams  # noqa: PLC0415
+
+    from megatron_startrail.megatron.packed_rope import PackedRopeSelfAttention  # noqa: PLC0415
+
+    seen = []
+    monkeypatch.setattr(SelfAttention, "forward", lambda self, *a, **k: seen.append(self._sample_layout_freqs))
+    cp, tp, total = 2, 2, 24
+    cu = torch.tensor([0, 5, total], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    table = torch.randn(total, 1, 1, 8)
+    layer = object.__new__(PackedRopeSelfAttention)  # forward is stubbed: no parameters needed
+    config = types.SimpleNamespace(no_rope_freq=None, sequence_parallel=True, tensor_model_parallel_size=tp)
+    for name, value in (("config", config), ("layer_number", 1),
+                        ("pg_collection", types.SimpleNamespace(cp=FakeCPGroup(cp, 1)))):
+        object.__setattr__(layer, name, value)
+    layer.forward(torch.randn(total // (cp * tp), 1, 16), None, rotary_pos_emb=table, packed_seq_params=params)
+    q_freqs, k_freqs = seen.pop()
+    want = table[local_rows(document_position_ids(cu), 1, cp)]  # rank 1's rows of the whole sample
+    assert torch.equal(q_freqs, want) and torch.equal(k_freqs, want)

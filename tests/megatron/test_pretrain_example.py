@@ -98,13 +98,37 @@ def test_packed_documents_with_startrail_log_the_losses_of_megatrons_dense_docum
     assert max(abs(a - b) / b for a, b in zip(dense_mask, no_mask)) > 1e-3, (dense_mask, no_mask)
 
 
+def test_mla_packed_documents_with_startrail_log_the_losses_of_cp1_packed_mla(tmp_path):
+    """MLA rotates by sequence position (not --reset-position-ids), so its CP = 1 twin reads the
+    same packed documents (THD, LocalMLACoreAttention's per-document mask) instead of a dense mask."""
+    make = pretrain_gpt.make_indexed_dataset
+    make.write_indexed_dataset(make.short_documents(), str(tmp_path / "docs"))
+    data = [*MLA, "--data-path", str(tmp_path / "docs"), "--split", "100,0,0"]
+    packed = losses(4, *data, "--context-parallel-size", "4", "--context-parallel-algo", "startrail",
+                    "--startrail-team-size", "2", "--dataloader-inter-document-masking")
+    reference = losses(1, *data, "--context-parallel-size", "1", "--dataloader-inter-document-masking")
+    no_mask = losses(1, *data, "--context-parallel-size", "1")
+    assert all(math.isfinite(x) for x in packed + reference + no_mask)
+    for got, want in zip(packed, reference):
+        assert abs(got - want) <= 1e-5 * want, (packed, reference)
+    assert max(abs(a - b) / b for a, b in zip(reference, no_mask)) > 1e-3, (reference, no_mask)
+
+
 def test_packed_documents_need_startrail_with_megatrons_local_attention():
     # (--reset-attention-mask with StarTrail is refused by validate_startrail_args: test_arguments.py)
     args = argparse.Namespace(context_parallel_algo="megatron", context_parallel_size=1, transformer_impl="local",
-                              dataloader_inter_document_masking=True, sft=False)
+                              dataloader_inter_document_masking=True, sft=False, multi_latent_attention=False,
+                              reset_attention_mask=False)
     with pytest.raises(ValueError, match="use --reset-attention-mask --reset-position-ids"):
         pretrain_gpt.validate_example_args(args)
-    args.context_parallel_algo, args.context_parallel_size = "startrail", 4
+    args.multi_latent_attention = True  # at CP = 1 LocalMLACoreAttention takes packed documents
+    pretrain_gpt.validate_example_args(args)
+    args.dataloader_inter_document_masking, args.reset_attention_mask = False, True
+    with pytest.raises(ValueError, match="--reset-attention-mask with --multi-latent-attention"):
+        pretrain_gpt.validate_example_args(args)  # MLA cannot take the dense per-document mask
+    args = argparse.Namespace(context_parallel_algo="startrail", context_parallel_size=4, transformer_impl="local",
+                              dataloader_inter_document_masking=True, sft=False, multi_latent_attention=False,
+                              reset_attention_mask=False)
     pretrain_gpt.validate_example_args(args)  # accepted
 
 
