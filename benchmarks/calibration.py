@@ -26,9 +26,9 @@ these figures.
   same-index rank of its partner node (nodes paired 0-1, 2-3, ...), each direction on its
   own connection, as the project's transport sends on gloo (a second process group for
   transfers to a lower rank: a single message each way on one connection serialises,
-  benchmarks/burst_probe.py). Before that, one connection carried both directions,
+  the burst probe, results/burst_probe.md). Before that, one connection carried both directions,
   and that moved 1-15% less
-  (benchmarks/link_probe.py, results/link_probe.md: on 2x4 at 25 / 50 Mbit/s, one
+  (the link probe, results/link_probe.md: on 2x4 at 25 / 50 Mbit/s, one
   message per rank per round, one flow each way got 2.8 / 5.9 MB/s on one connection
   against 3.1 / 6.3 on two, four flows 3.0 / 6.0 against 3.1 / 6.2; under the earlier
   single-tbf shaping, whose queue held the reverse direction's ACKs behind data, the
