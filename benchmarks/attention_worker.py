@@ -1,6 +1,6 @@
 """One rank of the attention benchmark (started by benchmarks/cluster_bench.py).
 
-First measures the planner's inputs on this cluster (benchmarks/calibration.py). Then
+First measures the planner's inputs on this cluster (benchmarks/testbed/calibration.py). Then
 runs forward+backward of each configuration (timed iterations interleaved: round ``i``
 runs every configuration once) -- ``startrail_attn`` or PyTorch's ring
 attention (benchmarks/torch_cp_peer.py) -- times it, records per rank where the time of
@@ -30,7 +30,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from benchmarks.calibration import measure_cluster
+from benchmarks.testbed.calibration import measure_cluster
 from benchmarks.memory import peak_live_bytes, saved_bytes
 from benchmarks.torch_cp_peer import torch_ring_attn
 from megatron_startrail import new_startrail_groups, startrail_attn

@@ -23,10 +23,10 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from benchmarks.netns_cluster import EmulatedCluster, check_requirements  # noqa: E402
-from benchmarks.peer_models import predict_torch_ring  # noqa: E402
-from benchmarks.ranking import check_ranking  # noqa: E402
-from benchmarks.testbed_model import testbed_cluster  # noqa: E402
+from benchmarks.testbed.netns_cluster import EmulatedCluster, check_requirements  # noqa: E402
+from benchmarks.testbed.peer_models import predict_torch_ring  # noqa: E402
+from benchmarks.testbed.ranking import check_ranking  # noqa: E402
+from benchmarks.testbed.testbed_model import testbed_cluster  # noqa: E402
 from benchmarks.timeline_report import phase_summary, phase_table, plot_timeline  # noqa: E402
 from megatron_startrail.cluster import ClusterSpec  # noqa: E402
 from megatron_startrail.planner import Workload, predict  # noqa: E402
@@ -34,7 +34,7 @@ from megatron_startrail.topology import valid_team_sizes  # noqa: E402
 
 
 def cluster_spec(args, rate_mbit: float, calibration: dict, gloo_rules: bool = True) -> ClusterSpec:
-    """The planner's view of this emulated cluster (benchmarks/testbed_model.py)."""
+    """The planner's view of this emulated cluster (benchmarks/testbed/testbed_model.py)."""
     return testbed_cluster(calibration, args.nodes, args.ranks_per_node, rate_mbit, args.topology == "full_mesh",
                            gloo_rules)
 
@@ -61,7 +61,7 @@ def predictions(args, rate_mbit: float, configs: list[dict], calibration: dict,
 
 def ranking_report(results: list[dict], interleaved: bool = True) -> str:
     """Per link rate: the measured and predicted rankings (medians), and whether the
-    prediction orders every pair with a clear measured order (benchmarks/ranking.py)."""
+    prediction orders every pair with a clear measured order (benchmarks/testbed/ranking.py)."""
     lines = ["| link Mbit/s | measured ranking (fastest first) | predicted ranking | match "
              "| pairs measured in one order every round | of them ordered wrongly |", "|---|---|---|---|---|---|"]
     for rate in sorted({r["rate_mbit"] for r in results}):

@@ -8,7 +8,7 @@ import argparse
 import pytest
 
 from benchmarks.cluster_bench import parse_config, run_once
-from benchmarks.netns_cluster import check_requirements
+from benchmarks.testbed.netns_cluster import check_requirements
 
 REASON = check_requirements()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")

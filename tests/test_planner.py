@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from benchmarks.cluster_bench import cluster_spec, parser, workload
-from benchmarks.planner_validation import TOLERANCE, cluster_key, load
-from benchmarks.ranking import check_ranking
+from benchmarks.testbed.planner_validation import TOLERANCE, cluster_key, load
+from benchmarks.testbed.ranking import check_ranking
 from megatron_startrail.accounting import AttentionShape, expected_comm, kept_for_backward_bytes
 from megatron_startrail.cluster import DEFAULT_CLUSTER, IB_EFFICIENCY, ClusterSpec, preset
 from megatron_startrail.planner import (

@@ -24,7 +24,7 @@ Two facts of gloo priced here (the project's own model has no use for them):
 
 from __future__ import annotations
 
-from benchmarks.testbed_model import ring_streams
+from benchmarks.testbed.testbed_model import ring_streams
 from megatron_startrail.cluster import ClusterSpec
 from megatron_startrail.planner import BACKWARD_FLOPS_RATIO, Workload, overlapped_steps
 
