@@ -32,7 +32,7 @@ from megatron_startrail.topology import StarTrailTopology, valid_team_sizes
 from megatron_startrail.transfer import sub_ring_lanes
 
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
-# The runs of benchmarks/README.md's "Planner vs measurement" (its planner_validation.json lists them).
+# The runs of benchmarks/testbed/README.md's "Planner vs measurement" (its planner_validation.json lists them).
 VALIDATION_RUNS = [os.path.join(RESULTS, os.path.basename(p))
                    for p in json.load(open(os.path.join(RESULTS, "planner_validation.json")))["runs"]]
 WORK = Workload(seq_length=8192, heads=4, kv_heads=4, head_dim=32, batch=1, dtype_bytes=4, causal=True)
@@ -120,7 +120,7 @@ def test_priced_inter_node_bytes_are_the_committed_runs_counters():
 
 
 def test_committed_runs_are_ranked_and_predicted_within_bounds():
-    # The 13 validation runs (benchmarks/README.md, "Planner vs measurement"), priced from
+    # The 13 validation runs (benchmarks/testbed/README.md, "Planner vs measurement"), priced from
     # each run's own calibration: every pair of configurations one of which was faster in
     # every round is ordered as measured, and every prediction is within 20 %.
     rows = load(VALIDATION_RUNS)

@@ -28,8 +28,9 @@ these figures.
   transfers to a lower rank: a single message each way on one connection serialises,
   the burst probe, benchmarks/results/burst_probe.md). Before that, one connection
   carried both directions, and that moved 1-15% less (the link probe,
-  benchmarks/results/link_probe.md: on 2x4 at 25 / 50 Mbit/s, one message per rank per round, one flow each way got 2.8 / 5.9 MB/s on one connection
-  against 3.1 / 6.3 on two, four flows 3.0 / 6.0 against 3.1 / 6.2; under the earlier
+  benchmarks/results/link_probe.md: on 2x4 at 25 / 50 Mbit/s, one message per rank per
+  round, one flow each way got 2.8 / 5.9 MB/s on one connection against 3.1 / 6.3 on
+  two, four flows 3.0 / 6.0 against 3.1 / 6.2; under the earlier
   single-tbf shaping, whose queue held the reverse direction's ACKs behind data, the
   gap was 1.8 / 3.6 against 2.5 / 5.4). Ulysses x ring over 2 nodes (a ring of two)
   sends that way; ring attention's and StarTrail-2's transfers on 2 nodes do not.

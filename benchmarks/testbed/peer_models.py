@@ -67,7 +67,7 @@ def predict_torch_ring(cluster: ClusterSpec, work: Workload, cp_size: int, rotat
 
     # PyTorch rotates with an all-to-all over all ranks (permute_tensor), a collective,
     # not a buffered send to one neighbour; still, measured on the emulated cluster it
-    # moves at the link's rate like the project's ring (benchmarks/README.md, planner
+    # moves at the link's rate like the project's ring (benchmarks/testbed/README.md, planner
     # validation), so it is priced as a streaming ring (testbed_model.ring_streams): the
     # inter-node latency once per phase, with its first transfer. Each call adds its
     # empty messages' bytes.

@@ -2,16 +2,15 @@
 
     python benchmarks/testbed/planner_validation.py RUN1.json RUN2.json ... --out benchmarks/results/planner_validation
 
-Every run measured its own cluster first (benchmarks/testbed/calibration.py: effective link
-rates, step latency, attention rate under contention, overlap) and the planner priced
-every configuration from those numbers alone; no attention timing went into any
-prediction (the model's structure did learn from earlier runs: benchmarks/README.md says
-which runs came after which change). Predictions are recomputed here from each run's
-stored calibration with the current planner and the test bed's preset
-(benchmarks/testbed/testbed_model.py; ``--without-gloo-rules``: the package's model alone on the
-same figures). Writes OUT.md (per row: measured, predicted,
-error, within 20 %; per cluster: rankings, strict (medians) and up to noise, see
-benchmarks/testbed/ranking.py), OUT.json and OUT.png (predicted vs measured).
+Every run measured its own cluster first (calibration.py: effective link rates, step
+latency, attention rate under contention, overlap) and the planner priced every
+configuration from those numbers alone; no attention timing went into any prediction (the
+model's structure did learn from earlier runs: benchmarks/testbed/README.md says which
+runs came after which change). Predictions are recomputed here from each run's stored
+calibration with the current planner and the test bed's preset (testbed_model.py;
+``--without-gloo-rules``: the package's model alone on the same figures). Writes OUT.md
+(per row: measured, predicted, error, within 20 %; per cluster: rankings, strict (medians)
+and up to noise, see ranking.py), OUT.json and OUT.png (predicted vs measured).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ The package's model (megatron_startrail/cluster.py) prices a round of transfers 
 latency + bytes / bandwidth per link and every sub-ring step's latency. On the test bed
 (gloo over TCP, nodes as network namespaces, links shaped with ``tc``, latencies of
 milliseconds) three things differ, each found by a probe or a validation run
-(benchmarks/README.md, "Planner vs measurement"):
+(benchmarks/testbed/README.md, "Planner vs measurement"):
 
 * **Duplex rate.** A round in which some rank pair on two nodes sends both ways moves at
   the calibrated both-ways rate (``inter_node_duplex_gbs``; gloo used to carry both
