@@ -62,7 +62,8 @@ class ConfigRun:
         if self.torch_peer:
             return torch_ring_attn(q, k, v, dist.group.WORLD, causal=w["causal"], rotate_method=c["rotate_method"])
         return startrail_attn(q, k, v, self.groups, causal=w["causal"], transfer=c.get("transfer", "ring"),
-                              regather_in_backward=c.get("regather", False), timeline=self.timeline)
+                              regather_in_backward=c.get("regather", False), timeline=self.timeline,
+                              window_size=c.get("window"), halo_exchange=c.get("halo", True))
 
     def step(self) -> int:
         """Forward + backward; returns the bytes kept for backward (inputs excluded)."""
@@ -134,6 +135,8 @@ class ConfigRun:
                 "p2p_steps_forward": max(g["p2p_steps_forward"] for g in gathered),
                 "p2p_steps_backward": max(g["p2p_steps_backward"] for g in gathered),
                 "internode_bytes_accounting": sum(g["internode_bytes_accounting"] for g in gathered),
+                # which path a windowed layer took: the halo exchange or the schedule
+                "path": "halo" if "halo" in self.groups.last_forward_stats.bytes_sent_by_op else "schedule",
             })
         return row
 

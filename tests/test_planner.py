@@ -112,7 +112,8 @@ def test_priced_inter_node_bytes_are_the_committed_runs_counters():
         world = args.nodes * args.ranks_per_node
         base = cluster_spec(args, r["rate_mbit"], r["calibration"])
         cluster = Recording(**{f: getattr(base, f) for f in ClusterSpec.__dataclass_fields__})
-        predict(cluster, workload(args), world, r["team_size"], r["ulysses"], r["transfer"], r.get("regather", False))
+        predict(cluster, workload(args, r.get("window")), world, r["team_size"], r["ulysses"], r["transfer"],
+                r.get("regather", False), halo_exchange=r.get("halo", True))
         crossing = sum(n for a, b, n in cluster.p2p if cluster.node_of(a) != cluster.node_of(b))
         assert crossing == pytest.approx(r["internode_bytes_accounting"], rel=1e-9), (source, r["name"])
         checked += 1
