@@ -201,7 +201,9 @@ def plot(results: list[dict], path: str) -> None:
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend()
     r0 = results[0]
-    fig.suptitle(f"{r0['nodes']} nodes x {r0['ranks_per_node']} ranks, inter-node link shaped per node")
+    windowed = next((r["window"] for r in results if r.get("window")), None)
+    fig.suptitle(f"{r0['nodes']} nodes x {r0['ranks_per_node']} ranks, inter-node link shaped per node"
+                 + (f"; window {windowed[0]},{windowed[1]} (PyTorch's ring: causal)" if windowed else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
