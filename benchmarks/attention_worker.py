@@ -1,6 +1,6 @@
 """One rank of the attention benchmark (started by benchmarks/cluster_bench.py).
 
-First measures the planner's inputs on this cluster (benchmarks/calibration.py). Then
+First measures the planner's inputs on this cluster (benchmarks/testbed/calibration.py). Then
 runs forward+backward of each configuration (timed iterations interleaved: round ``i``
 runs every configuration once) -- ``startrail_attn`` or PyTorch's ring
 attention (benchmarks/torch_cp_peer.py) -- times it, records per rank where the time of
@@ -30,7 +30,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from benchmarks.calibration import measure_cluster
+from benchmarks.testbed.calibration import measure_cluster
 from benchmarks.memory import peak_live_bytes, saved_bytes
 from benchmarks.torch_cp_peer import torch_ring_attn
 from megatron_startrail import new_startrail_groups, startrail_attn
@@ -62,7 +62,8 @@ class ConfigRun:
         if self.torch_peer:
             return torch_ring_attn(q, k, v, dist.group.WORLD, causal=w["causal"], rotate_method=c["rotate_method"])
         return startrail_attn(q, k, v, self.groups, causal=w["causal"], transfer=c.get("transfer", "ring"),
-                              regather_in_backward=c.get("regather", False), timeline=self.timeline)
+                              regather_in_backward=c.get("regather", False), timeline=self.timeline,
+                              window_size=c.get("window"), halo_exchange=c.get("halo", True))
 
     def step(self) -> int:
         """Forward + backward; returns the bytes kept for backward (inputs excluded)."""
@@ -134,6 +135,8 @@ class ConfigRun:
                 "p2p_steps_forward": max(g["p2p_steps_forward"] for g in gathered),
                 "p2p_steps_backward": max(g["p2p_steps_backward"] for g in gathered),
                 "internode_bytes_accounting": sum(g["internode_bytes_accounting"] for g in gathered),
+                # which path a windowed layer took: the halo exchange or the schedule
+                "path": "halo" if "halo" in self.groups.last_forward_stats.bytes_sent_by_op else "schedule",
             })
         return row
 

@@ -10,6 +10,12 @@ rank, bytes that crossed node boundaries (the project's accounting and the kerne
 interface counters), sequential P2P steps and the bytes kept for backward. Results go to
 ``--out`` as JSON, a Markdown table and a PNG plot; with several ``--rate-mbit`` values
 the planner's predicted ranking is compared with the measured one per link speed.
+
+``--window LEFT,RIGHT`` gives every configuration of the project a sliding window
+(``startrail_attn(window_size=...)``: the halo exchange where it applies; a ``-nohalo``
+configuration runs the schedule with the window instead, moving every rank's K, V).
+PyTorch's ring runs causal without it: its context parallelism cannot apply a window on
+CPU (benchmarks/README.md, "Sliding windows").
 """
 
 from __future__ import annotations
@@ -23,10 +29,10 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from benchmarks.netns_cluster import EmulatedCluster, check_requirements  # noqa: E402
-from benchmarks.peer_models import predict_torch_ring  # noqa: E402
-from benchmarks.ranking import check_ranking  # noqa: E402
-from benchmarks.testbed_model import testbed_cluster  # noqa: E402
+from benchmarks.testbed.netns_cluster import EmulatedCluster, check_requirements  # noqa: E402
+from benchmarks.testbed.peer_models import predict_torch_ring  # noqa: E402
+from benchmarks.testbed.ranking import check_ranking  # noqa: E402
+from benchmarks.testbed.testbed_model import testbed_cluster  # noqa: E402
 from benchmarks.timeline_report import phase_summary, phase_table, plot_timeline  # noqa: E402
 from megatron_startrail.cluster import ClusterSpec  # noqa: E402
 from megatron_startrail.planner import Workload, predict  # noqa: E402
@@ -34,34 +40,37 @@ from megatron_startrail.topology import valid_team_sizes  # noqa: E402
 
 
 def cluster_spec(args, rate_mbit: float, calibration: dict, gloo_rules: bool = True) -> ClusterSpec:
-    """The planner's view of this emulated cluster (benchmarks/testbed_model.py)."""
+    """The planner's view of this emulated cluster (benchmarks/testbed/testbed_model.py)."""
     return testbed_cluster(calibration, args.nodes, args.ranks_per_node, rate_mbit, args.topology == "full_mesh",
                            gloo_rules)
 
 
-def workload(args) -> Workload:
+def workload(args, window: tuple[int, int] | None = None) -> Workload:
+    """The planner's workload of this run; ``window``: a configuration's sliding window."""
     return Workload(args.seq_length, args.heads, args.kv_heads or args.heads, args.head_dim, args.batch,
-                    4 if args.dtype == "float32" else 2, not args.no_causal)
+                    4 if args.dtype == "float32" else 2, not args.no_causal,
+                    window=None if window is None else tuple(window))
 
 
 def predictions(args, rate_mbit: float, configs: list[dict], calibration: dict,
                 gloo_rules: bool = True) -> dict[str, float]:
     """The planner's predicted time (ms) per configuration on this emulated cluster."""
-    cluster, work = cluster_spec(args, rate_mbit, calibration, gloo_rules), workload(args)
+    cluster = cluster_spec(args, rate_mbit, calibration, gloo_rules)
     world = args.nodes * args.ranks_per_node
     out = {}
     for c in configs:
+        work = workload(args, c.get("window"))
         if c["impl"] == "torch":
             out[c["name"]] = 1000 * predict_torch_ring(cluster, work, world, c["rotate_method"])
         else:
             out[c["name"]] = 1000 * predict(cluster, work, world, c["team_size"], c["ulysses"], c["transfer"],
-                                            c.get("regather", False)).time_s
+                                            c.get("regather", False), halo_exchange=c.get("halo", True)).time_s
     return out
 
 
 def ranking_report(results: list[dict], interleaved: bool = True) -> str:
     """Per link rate: the measured and predicted rankings (medians), and whether the
-    prediction orders every pair with a clear measured order (benchmarks/ranking.py)."""
+    prediction orders every pair with a clear measured order (benchmarks/testbed/ranking.py)."""
     lines = ["| link Mbit/s | measured ranking (fastest first) | predicted ranking | match "
              "| pairs measured in one order every round | of them ordered wrongly |", "|---|---|---|---|---|---|"]
     for rate in sorted({r["rate_mbit"] for r in results}):
@@ -72,13 +81,17 @@ def ranking_report(results: list[dict], interleaved: bool = True) -> str:
 
 def parse_config(name: str) -> dict:
     """``ring`` | ``startrail-C`` | ``tasp`` | ``ulysses-Ux<ring|startrail-C>`` | ``startrail-C-multiring``,
-    each optionally followed by ``-regather`` (``regather_in_backward=True``); ``torch-cp`` (PyTorch's ring
-    attention, its default all-gather rotation) | ``torch-cp-alltoall``."""
+    each optionally followed by ``-regather`` (``regather_in_backward=True``) and ``-nohalo`` (a windowed
+    layer through the schedule: ``halo_exchange=False``); ``torch-cp`` (PyTorch's ring attention, its
+    default all-gather rotation) | ``torch-cp-alltoall``."""
     if name in ("torch-cp", "torch-cp-alltoall"):
         return {"name": name, "impl": "torch",
                 "rotate_method": "alltoall" if name.endswith("alltoall") else "allgather",
                 "team_size": 1, "ulysses": 1, "transfer": "ring", "regather": False}
     config = {"name": name, "impl": "startrail", "team_size": 1, "ulysses": 1, "transfer": "ring", "regather": False}
+    if name.endswith("-nohalo"):
+        config["halo"] = False
+        name = name[: -len("-nohalo")]
     if name.endswith("-regather"):
         config["regather"] = True
         name = name[: -len("-regather")]
@@ -117,14 +130,24 @@ def run_once(args, rate_mbit: float, configs: list[dict]) -> list[dict]:
     return results
 
 
+def window_cell(r: dict) -> str:
+    """What a row's attention applied: the window and the path that ran it, or causal only."""
+    if not r.get("window"):
+        return "none: causal" + (" (PyTorch's CP has no window on CPU)" if r.get("impl") == "torch" else "")
+    return f"{r['window'][0]},{r['window'][1]} {r.get('path', '?')}"
+
+
 def table(results: list[dict]) -> str:
     """One row per (link rate, configuration); speed-up is over PyTorch's ring (``torch-cp``,
-    its default rotation) at the same rate, when it ran."""
-    head = ("| link Mbit/s | configuration | time/iter ms | speed-up over torch-cp | predicted ms "
+    its default rotation) at the same rate, when it ran. With windows, a column says what
+    each row applied (the halo exchange or the schedule, or causal only)."""
+    windows = any(r.get("window") for r in results)
+    head = ("| link Mbit/s | configuration | " + ("window (path) | " if windows else "") +
+            "time/iter ms | speed-up over torch-cp | predicted ms "
             "| predicted / measured "
             "| P2P MiB/rank | collective MiB/rank | inter-node MiB (accounting) | inter-node MiB (kernel) "
             "| steps fwd/bwd | kept for bwd MiB/rank | peak live MiB/rank |")
-    lines = [head, "|" + "---|" * 13]
+    lines = [head, "|" + "---|" * (13 + windows)]
     mib = 2.0**20
 
     def num(r, key, scale=mib):
@@ -135,7 +158,8 @@ def table(results: list[dict]) -> str:
         speedup = f"{base['time_ms_median'] / r['time_ms_median']:.2f}x" if base else "-"
         steps = f"{r['p2p_steps_forward']}/{r['p2p_steps_backward']}" if "p2p_steps_forward" in r else "-"
         lines.append(
-            f"| {r['rate_mbit']:g} | {r['name']} | {r['time_ms_median']:.0f} | {speedup} | {r['predicted_ms']:.0f} | "
+            f"| {r['rate_mbit']:g} | {r['name']} | " + (f"{window_cell(r)} | " if windows else "") +
+            f"{r['time_ms_median']:.0f} | {speedup} | {r['predicted_ms']:.0f} | "
             f"{r['predicted_ms'] / r['time_ms_median']:.2f} | {num(r, 'p2p_bytes_sent_max')} | "
             f"{num(r, 'collective_bytes_sent_max')} | {num(r, 'internode_bytes_accounting')} | "
             f"{num(r, 'internode_bytes_kernel')} | {steps} | {num(r, 'saved_for_backward_bytes_max')} | "
@@ -177,9 +201,19 @@ def plot(results: list[dict], path: str) -> None:
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend()
     r0 = results[0]
-    fig.suptitle(f"{r0['nodes']} nodes x {r0['ranks_per_node']} ranks, inter-node link shaped per node")
+    windowed = next((r["window"] for r in results if r.get("window")), None)
+    fig.suptitle(f"{r0['nodes']} nodes x {r0['ranks_per_node']} ranks, inter-node link shaped per node"
+                 + (f"; window {windowed[0]},{windowed[1]} (PyTorch's ring: causal)" if windowed else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def window_flag(text: str) -> tuple[int, int]:
+    try:
+        left, right = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--window takes LEFT,RIGHT (e.g. 256,0), got {text!r}") from None
+    return left, right
 
 
 def parser() -> argparse.ArgumentParser:
@@ -195,6 +229,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--head-dim", type=int, default=32)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--no-causal", action="store_true")
+    p.add_argument("--window", type=window_flag, default=None, metavar="LEFT,RIGHT",
+                   help="sliding window for every configuration of the project (flash-attn's meaning, -1 "
+                        "unbounded); PyTorch's ring runs without it")
     p.add_argument("--configs", nargs="+", default=["ring", "startrail-2", "startrail-4", "ulysses-2xstartrail-2"])
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--iters", type=int, default=3)
@@ -207,7 +244,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main() -> int:
-    args = parser().parse_args()
+    p = parser()
+    args = p.parse_args()
+    if args.window is None and any(name.endswith("-nohalo") for name in args.configs):
+        p.error("a -nohalo configuration runs a windowed layer without the halo: give --window")
     reason = check_requirements()
     if reason:
         print(f"cluster_bench: {reason}", file=sys.stderr)
@@ -220,6 +260,8 @@ def main() -> int:
             print(f"skipping {name}: team size {c['team_size']} does not fit {world // c['ulysses']} ranks "
                   f"(valid: {valid_team_sizes(world // c['ulysses'])})")
             continue
+        if args.window is not None:  # PyTorch's ring cannot apply one (module docstring): causal only
+            c["window"] = None if c["impl"] == "torch" else list(args.window)
         configs.append(c)
     results = []
     for rate in args.rate_mbit:

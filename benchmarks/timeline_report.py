@@ -13,7 +13,7 @@ from megatron_startrail.timeline import PHASES, phase_of
 
 COLUMNS = list(PHASES) + ["compute"]
 COLORS = {"team gather": "tab:orange", "initial send": "tab:red", "ring wait": "tab:purple", "merge": "tab:green",
-          "ulysses": "tab:brown", "document check": "tab:olive", "other comm": "tab:pink"}
+          "ulysses": "tab:brown", "document check": "tab:olive", "halo": "tab:cyan", "other comm": "tab:pink"}
 
 
 def _with_timeline(results: list[dict]) -> list[dict]:

@@ -201,3 +201,67 @@ def paper_forward_bytes(shape: AttentionShape, *, cp_size: int, team_size: int) 
         "collective": 4 * (c - 1) * local,
         "sub_ring_p2p": (p // (c * c) - 1) * 2 * c * local,
     }
+
+
+# -- sliding windows: the halo exchange (megatron_startrail/halo.py) -------------------------
+#
+# Dense layout (no packed documents): chunks of n = S / (2 CP) tokens, CP rank r holds
+# chunks r and 2CP-1-r. The queries of chunk j see the keys at positions
+# [j n + lo, (j+1) n - 1 + hi] (lo = -left, hi = right, causal: hi <= 0; unbounded sides
+# reach the sequence's ends), so receiver r needs, of owner s's chunks, the positions in
+# the union of its two chunks' reaches. Forward: those K|V rows, in the input dtype;
+# backward: their dK|dV back to the owner, in the accumulator dtype. Before any Ulysses
+# all-to-all, on the whole CP group: neither C nor U changes it. One round each way.
+
+
+def _overlap(a: tuple[float, float], b: tuple[float, float]) -> float:
+    """Length of the intersection of the half-open intervals ``a`` and ``b``."""
+    return max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
+
+
+def halo_rows(seq_length: int, cp_size: int, window: tuple[int, int], causal: bool) -> dict[tuple[int, int], int]:
+    """``{(owner, receiver): rows}``: K|V rows of CP rank ``owner``'s storage that CP rank
+    ``receiver``'s windows reach (pairs that exchange nothing are left out); dense layout,
+    ``window=(left, right)`` with -1 unbounded (flash-attn's meaning)."""
+    left, right = window
+    lo = -float("inf") if left < 0 else -left
+    hi = float("inf") if right < 0 else right
+    if causal:
+        hi = min(hi, 0)
+    n, chunks = seq_length // (2 * cp_size), lambda r: (r, 2 * cp_size - 1 - r)
+    span = lambda j: (j * n, (j + 1) * n)  # noqa: E731 - positions of chunk j
+
+    def reach(j: int) -> tuple[float, float]:  # positions chunk j's queries see, half-open
+        return max(0.0, j * n + lo), min(float(seq_length), (j + 1) * n + hi)
+
+    rows = {}
+    for receiver in range(cp_size):
+        a, b = (reach(j) for j in chunks(receiver))
+        both = (max(a[0], b[0]), min(a[1], b[1]))
+        for owner in range(cp_size):
+            if owner == receiver:
+                continue
+            # |K n (A u B)| = |K n A| + |K n B| - |K n A n B| per chunk K of the owner
+            got = sum(_overlap(span(k), a) + _overlap(span(k), b) - (_overlap(span(k), both) if both[0] < both[1]
+                                                                      else 0.0) for k in chunks(owner))
+            if got:
+                rows[(owner, receiver)] = int(got)
+    return rows
+
+
+def halo_bytes(shape: AttentionShape, *, cp_size: int, window: tuple[int, int], causal: bool,
+               cp_rank: int) -> dict[str, dict[str, int]]:
+    """The :class:`~megatron_startrail.comm.CommStats` fields of CP rank ``cp_rank`` when the
+    halo exchange runs (dense layout), as :func:`expected_comm` gives them for the schedule:
+    one row of K|V is ``b hkv (dqk + dv)`` elements, ``e`` bytes forward and ``a`` backward,
+    where the gradients of the rows a rank received go back to their owners."""
+    rows = halo_rows(shape.seq_local * cp_size, cp_size, window, causal)
+    mine = sum(r for (owner, _), r in rows.items() if owner == cp_rank)  # rows others' windows reach
+    reached = sum(r for (_, receiver), r in rows.items() if receiver == cp_rank)  # rows this rank's reach
+    row = shape.batch * shape.kv_heads * (shape.head_dim + shape.v_dim)
+
+    def stats(sent: int, recv: int, nbytes: int) -> dict[str, int]:
+        return {"p2p_bytes_sent": sent * row * nbytes, "p2p_bytes_recv": recv * row * nbytes,
+                "collective_bytes_sent": 0, "collective_bytes_recv": 0, "p2p_steps": int(bool(sent or recv))}
+
+    return {"forward": stats(mine, reached, shape.dtype_bytes), "backward": stats(reached, mine, shape.acc_bytes)}

@@ -342,6 +342,7 @@ def startrail_attn(
     timeline: Timeline | None = None,
     cp_group=None,
     window_size: tuple[int, int] | None = None,
+    halo_exchange: bool = True,
 ) -> torch.Tensor:
     """Exact softmax attention over the whole context-parallel group.
 
@@ -379,6 +380,8 @@ def startrail_attn(
     (Note [window blocks] in :mod:`megatron_startrail.layout`); when every query's window
     reaches only the neighbouring CP ranks' chunks, only those keys move (the halo
     exchange, :mod:`megatron_startrail.halo`), instead of the sub-ring and team phases.
+    ``halo_exchange=False`` runs the schedule there too, moving every rank's K, V (to
+    measure what the halo saves; benchmarks/cluster_bench.py's ``-nohalo``).
 
     ``cp_group`` (optional): the context-parallel process group of this rank, e.g.
     Megatron's ``pg_collection.cp``; it must hold the CP ranks the StarTrail groups were
@@ -407,7 +410,7 @@ def startrail_attn(
         rotation = choose_backward_rotation(shape, groups.ulysses_size, groups.team_size)
 
     window = _window(window_size, causal)
-    plan = halo_plan(docs, window, causal, groups.cp_rank) if window is not None else None
+    plan = halo_plan(docs, window, causal, groups.cp_rank) if window is not None and halo_exchange else None
     if plan is not None:  # every window reaches only the CP neighbours: exchange just those keys
         out = halo_attn(q, k, v, groups, docs, plan, window, causal, scale, kernel_for(q, k, v, groups.kernel),
                         fwd_stats, bwd_stats, timeline)

@@ -16,17 +16,29 @@ Compute is the attention's FLOPs (causal: half the blocks) at ``attention_tflops
 backward does 2.5x the forward's (flash attention recomputes). The default cluster is the
 ``h100-nvlink-8x400ib`` preset (:mod:`megatron_startrail.cluster`).
 
+A sliding window (``Workload.window``) makes compute the pairs inside the window, and
+where no rank's window reaches past a quarter of the sequence the layer is the halo
+exchange (:mod:`megatron_startrail.halo`): its closed-form rows
+(:func:`~megatron_startrail.accounting.halo_rows`) in one round each way, blocking, around
+the compute; C and U do not change it. With ``Workload.window_skip_freq`` (Megatron's
+``--window-attn-skip-freq``) a prediction is the mean over the layers' mix of windowed and
+full-attention layers.
+
     python -m megatron_startrail.planner --nodes 4 --cp-size 32 --seq-length 131072 --heads 32 --head-dim 128
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass
 
 from .accounting import (AttentionShape, backward_p2p_parts, choose_backward_rotation, kept_for_backward_bytes,
                          startrail_rank_elements)
+from .accounting import halo_rows
 from .cluster import DEFAULT_CLUSTER, PRESETS, ClusterSpec, preset
+from .halo import MAX_HALO_SHARE
+from .layout import normalize_window
 from .memory_model import activation_peak_bytes
 from .topology import StarTrailTopology, valid_team_sizes
 from .transfer import sub_ring_lanes
@@ -45,12 +57,51 @@ class Workload:
     causal: bool = True
     v_head_dim: int | None = None  # None: head_dim (Multi-Latent Attention: its own)
     layers: int = 1  # attention layers whose activations are alive at once (memory only)
+    window: tuple[int, int] | None = None  # sliding window (left, right), -1 unbounded; None: full
+    window_skip_freq: int | tuple[int, ...] | None = None  # Megatron's --window-attn-skip-freq
 
     def attention_flops(self, cp_size: int) -> float:
-        """Forward FLOPs of one rank's share of the attention (QK^T and PV)."""
+        """Forward FLOPs of one rank's share of the attention (QK^T and PV); with a window,
+        of the pairs inside it (the mean over ranks: the zigzag layout balances them)."""
         v_dim = self.head_dim if self.v_head_dim is None else self.v_head_dim
+        if self.window is not None:
+            pairs = visible_pairs(self.seq_length, self.window, self.causal)
+            return 2 * self.batch * self.heads * pairs * (self.head_dim + v_dim) / cp_size
         flops = 2 * self.batch * self.heads * self.seq_length**2 * (self.head_dim + v_dim) / cp_size
         return flops / 2 if self.causal else flops
+
+
+def visible_pairs(seq_length: int, window: tuple[int, int], causal: bool) -> int:
+    """(query, key) pairs of a sequence with key - query in ``[-left, right]`` (-1 unbounded;
+    causal caps ``right`` at 0): the sum over those offsets ``d`` of ``seq_length - |d|``."""
+    s, (left, right) = seq_length, window
+    lo = -(s - 1) if left < 0 else max(-left, -(s - 1))
+    hi = s - 1 if right < 0 else min(right, s - 1)
+    if causal:
+        hi = min(hi, 0)
+    if hi < lo:
+        return 0
+
+    def abs_sum(a: int, b: int) -> int:  # sum of |d| for a <= d <= b, both of one sign
+        return (abs(a) + abs(b)) * (b - a + 1) // 2
+
+    total_abs = abs_sum(lo, hi) if lo >= 0 or hi <= 0 else abs_sum(lo, 0) + abs_sum(0, hi)
+    return (hi - lo + 1) * s - total_abs
+
+
+def window_layers(layers: int, skip_freq: int | tuple[int, ...] | list[int] | None) -> tuple[int, int]:
+    """(windowed, full-attention) among layers 1..``layers`` by Megatron's rule
+    (``is_layer_window_attention``): no skip frequency, all windowed; an int ``N``, every
+    ``N``-th layer full; a list, 1 for a windowed layer and 0 for a full one."""
+    if skip_freq is None:
+        return layers, 0
+    if isinstance(skip_freq, int):
+        windowed = sum(1 for n in range(1, layers + 1) if n % skip_freq != 0)
+    else:
+        if len(skip_freq) < layers:
+            raise ValueError(f"--window-attn-skip-freq lists {len(skip_freq)} layers, fewer than the {layers} priced")
+        windowed = sum(1 for x in skip_freq[:layers] if x)
+    return windowed, layers - windowed
 
 
 @dataclass(frozen=True)
@@ -85,9 +136,61 @@ def overlapped_steps(overlap: float, compute: list[float], transfer: list[float]
 
 
 def predict(cluster: ClusterSpec, work: Workload, cp_size: int, team_size: int, ulysses_size: int = 1,
-            transfer: str = "ring", regather_in_backward: bool = False) -> Prediction:
+            transfer: str = "ring", regather_in_backward: bool = False, *, halo_exchange: bool = True) -> Prediction:
     """Predicted forward+backward time of one attention layer on one CP group, and the
-    bytes ``work.layers`` such layers keep for backward on one rank."""
+    bytes ``work.layers`` such layers keep for backward on one rank. With ``work.window``:
+    time, compute and inter-node bytes are the mean per layer over the mix of windowed and
+    full layers (:func:`window_layers`), kept bytes their sum; ``halo_exchange=False``
+    prices a windowed layer through the schedule, as ``startrail_attn`` runs it then."""
+    args = (cp_size, team_size, ulysses_size, transfer, regather_in_backward)
+    if work.window is not None and normalize_window(work.window, work.causal) is None:
+        work = dataclasses.replace(work, window=None)  # a window that bounds nothing (startrail_attn's rule)
+    if work.window is None:
+        return _schedule_layer(cluster, work, *args)
+    windowed, full = window_layers(work.layers, work.window_skip_freq)
+    one, parts = dataclasses.replace(work, layers=1), []
+    if windowed:
+        parts.append((windowed, (halo_exchange and _halo_layer(cluster, one, *args)) or
+                      _schedule_layer(cluster, one, *args)))
+    if full:
+        parts.append((full, _schedule_layer(cluster, dataclasses.replace(one, window=None), *args)))
+    mean = lambda field: sum(n * getattr(p, field) for n, p in parts) / work.layers  # noqa: E731
+    kept = sum(n * p.activation_bytes for n, p in parts)
+    transient = max(p.peak_bytes - p.activation_bytes for _, p in parts)  # one layer runs at a time
+    return Prediction(ulysses_size, team_size, transfer, mean("time_s"), mean("compute_s"), mean("exposed_comm_s"),
+                      mean("internode_bytes"), regather_in_backward and team_size > 1, kept, kept + transient)
+
+
+def _halo_layer(cluster: ClusterSpec, work: Workload, cp_size: int, team_size: int, ulysses_size: int,
+                transfer: str, regather_in_backward: bool) -> Prediction | None:
+    """A windowed layer as the halo exchange, or None where it does not run (some rank's
+    window reaches past MAX_HALO_SHARE of the sequence): K|V rows in one blocking round,
+    the windowed compute, dK|dV back in one round (accumulator dtype)."""
+    rows = halo_rows(work.seq_length, cp_size, work.window, work.causal)
+    received = max(sum(n for (_, r), n in rows.items() if r == x) for x in range(cp_size))
+    if cp_size == 1 or received > MAX_HALO_SHARE * work.seq_length:
+        return None
+    shape = AttentionShape(work.seq_length // cp_size, work.batch, work.heads, work.kv_heads, work.head_dim,
+                           work.dtype_bytes, v_head_dim=work.v_head_dim)
+    row = shape.batch * shape.kv_heads * (shape.head_dim + shape.v_dim)  # elements of one K|V row
+    fwd = cluster.exchange_time([(owner, to, n * row * shape.dtype_bytes) for (owner, to), n in rows.items()])
+    bwd = cluster.exchange_time([(to, owner, n * row * shape.acc_bytes) for (owner, to), n in rows.items()])
+    compute = (1 + BACKWARD_FLOPS_RATIO) * work.attention_flops(cp_size) / (cluster.attention_tflops * 1e12)
+    el = startrail_rank_elements(shape, 1)  # before any Ulysses all-to-all
+    # Kept for backward: ring attention's (own q, k|v, out, lse) and the received K|V rows.
+    kept = (el.q + el.kv + el.out + received * row) * shape.dtype_bytes + el.lse * shape.acc_bytes
+    total = fwd[0] + compute + bwd[0]
+    # Transient: the gradients of the received rows (accumulator dtype) while they go back.
+    transient = received * row * shape.acc_bytes
+    return Prediction(ulysses_size, team_size, transfer, total, compute, total - compute, fwd[1] + bwd[1],
+                      regather_in_backward and team_size > 1, work.layers * kept, work.layers * kept + transient)
+
+
+def _schedule_layer(cluster: ClusterSpec, work: Workload, cp_size: int, team_size: int, ulysses_size: int = 1,
+                    transfer: str = "ring", regather_in_backward: bool = False) -> Prediction:
+    """One layer through the StarTrail schedule (compute from :meth:`Workload.attention_flops`,
+    windowed with ``work.window``: the window skips blocks, never transfers; the model
+    spreads its compute evenly over the steps)."""
     u, c = ulysses_size, team_size
     topo = StarTrailTopology(cp_size // u, c)
     g, positions = topo.sub_ring_size, range(cp_size // u)
@@ -212,17 +315,21 @@ def choose_team_size(**kwargs) -> int:
 def choose_plan(*, cp_size: int, ulysses_size: int, gpus_per_node: int, seq_length: int, num_heads: int,
                 num_kv_heads: int, head_dim: int, micro_batch_size: int, dtype_bytes: int,
                 cluster: ClusterSpec | None = None, v_head_dim: int | None = None, layers: int = 1,
-                memory_limit_bytes: int | None = None) -> Prediction:
+                memory_limit_bytes: int | None = None, window_size: tuple[int, int] | None = None,
+                window_skip_freq: int | tuple[int, ...] | None = None) -> Prediction:
     """The fastest (team size, regathering) for this CP size and Ulysses degree whose
     ``layers`` attention layers peak at most ``memory_limit_bytes`` per rank (what they
-    keep for backward plus one layer's transient buffers).
+    keep for backward plus one layer's transient buffers); ``window_size`` /
+    ``window_skip_freq``: Megatron's sliding windows over those layers.
 
     Without ``cluster``: the ``DEFAULT_CLUSTER`` preset with ``gpus_per_node`` CP ranks per
     node. Raises ValueError when nothing fits."""
     if cluster is None:
         cluster = preset(DEFAULT_CLUSTER, max(1, -(-cp_size // gpus_per_node)), gpus_per_node=gpus_per_node)
     work = Workload(seq_length, num_heads, num_kv_heads, head_dim, micro_batch_size, dtype_bytes,
-                    v_head_dim=v_head_dim, layers=layers)
+                    v_head_dim=v_head_dim, layers=layers, window=None if window_size is None else tuple(window_size),
+                    window_skip_freq=window_skip_freq if isinstance(window_skip_freq, (int, type(None)))
+                    else tuple(window_skip_freq))
     found = [pred for c in valid_team_sizes(cp_size // ulysses_size)
              if (pred := _fitting(cluster, work, cp_size, c, ulysses_size, "ring", memory_limit_bytes)) is not None]
     if not found:
@@ -260,11 +367,31 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype-bytes", type=int, default=2)
     p.add_argument("--v-head-dim", type=int, default=None, help="V head dim (MLA); default: --head-dim")
-    p.add_argument("--num-layers", type=int, default=1, help="attention layers (for the memory limit)")
+    p.add_argument("--num-layers", type=int, default=1,
+                   help="attention layers (for the memory limit and the mix of windowed and full layers)")
+    p.add_argument("--window-size", type=_window_flag, default=None, metavar="LEFT,RIGHT",
+                   help="sliding window, flash-attn's meaning (-1 unbounded), as Megatron's --window-size")
+    p.add_argument("--window-attn-skip-freq", type=_skip_flag, default=None, metavar="N|1,1,0,...",
+                   help="Megatron's: every N-th layer full attention, or 1 (windowed) / 0 (full) per layer")
     p.add_argument("--memory-limit-gb", type=float, default=None,
                    help="leave out configurations whose attention activations exceed this, per rank")
     p.add_argument("--no-causal", action="store_true")
     return p
+
+
+def _window_flag(text: str) -> tuple[int, int]:
+    try:
+        left, right = (int(x) for x in text.strip("()").split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--window-size takes LEFT,RIGHT (e.g. 4096,0), got {text!r}") from None
+    return left, right
+
+
+def _skip_flag(text: str) -> int | tuple[int, ...]:
+    try:
+        return int(text) if "," not in text else tuple(int(x) for x in text.strip("[]()").split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--window-attn-skip-freq takes N or 1,1,0,... got {text!r}") from None
 
 
 def cluster_from_args(args: argparse.Namespace) -> ClusterSpec:
@@ -274,12 +401,19 @@ def cluster_from_args(args: argparse.Namespace) -> ClusterSpec:
                   **{k: v * factor[k] for k, v in given.items() if v is not None})
 
 
-def main() -> None:
-    args = parser().parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     cluster = cluster_from_args(args)
     work = Workload(args.seq_length, args.heads // args.tp_size, (args.kv_heads or args.heads) // args.tp_size,
-                    args.head_dim, args.batch, args.dtype_bytes, not args.no_causal, args.v_head_dim, args.num_layers)
+                    args.head_dim, args.batch, args.dtype_bytes, not args.no_causal, args.v_head_dim, args.num_layers,
+                    args.window_size, args.window_attn_skip_freq)
     limit = None if args.memory_limit_gb is None else int(args.memory_limit_gb * 1e9)
+    if work.window is not None:
+        windowed, _ = window_layers(work.layers, work.window_skip_freq)
+        halo = _halo_layer(cluster, dataclasses.replace(work, layers=1), args.cp_size, 1, 1, "ring", False)
+        how = "by the halo exchange" if halo else "through the schedule (the window reaches too far for the halo)"
+        print(f"window {work.window[0]},{work.window[1]}: {windowed} of {work.layers} layers windowed, {how}; "
+              "times are per layer, averaged over the layers")
     print(f"{'configuration':36} {'time ms':>9} {'compute ms':>11} {'exposed comm ms':>16} "
           f"{'inter-node MiB/node':>20} {'kept for bwd GB/rank':>21} {'peak GB/rank':>13}")
     preds = plan(cluster, work, args.cp_size, memory_limit_bytes=limit)

@@ -25,6 +25,7 @@ PHASES = {
     "ring wait": ("sub_ring", "sub_ring_grad"),
     "merge": ("team_merge", "team_reduce_scatter"),
     "ulysses": ("ulysses_all_to_all",),
+    "halo": ("halo", "halo_grad"),  # a windowed layer's exchange (halo.py), instead of the above
 }
 
 

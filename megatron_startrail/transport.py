@@ -7,7 +7,8 @@ follows the process group's backend, never a flag:
 - :class:`GlooTransport` (CPU). gloo runs both directions of a rank pair on one TCP
   connection, where a pair exchange (one message each way) serialises; transfers to a
   lower position therefore take the *twin* group, a second group over the same ranks
-  (``benchmarks/burst_probe.py``: 3.4 MB/s on one connection, 6.4 on two, at 50 Mbit/s).
+  (the burst probe, ``benchmarks/results/burst_probe.md``: 3.4 MB/s on one connection, 6.4 on
+  two, at 50 Mbit/s).
   A wait blocks the host; the timeline records host time.
 - :class:`NcclTransport` (GPU). NCCL runs each direction on its own channel but all of
   one communicator's operations on one stream, in posting order. Transfers that must

@@ -1,8 +1,8 @@
-"""The calibration's inter-node traffic patterns (benchmarks/calibration.py)."""
+"""The calibration's inter-node traffic patterns (benchmarks/testbed/calibration.py)."""
 
 import pytest
 
-from benchmarks.calibration import inter_node_peers
+from benchmarks.testbed.calibration import inter_node_peers
 
 
 @pytest.mark.parametrize("nodes,per_node", [(2, 4), (3, 4), (4, 2), (2, 8)])

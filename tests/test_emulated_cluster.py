@@ -8,7 +8,8 @@ import argparse
 import pytest
 
 from benchmarks.cluster_bench import parse_config, run_once
-from benchmarks.netns_cluster import check_requirements
+from benchmarks.testbed.netns_cluster import check_requirements
+from megatron_startrail.accounting import halo_rows
 
 REASON = check_requirements()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
@@ -40,3 +41,21 @@ def test_full_mesh_spreads_tasp_over_every_link():
         assert 1.0 <= ratio < 1.1, (r["name"], ratio)
     # Same bytes in total: TASP only spreads them over more links.
     assert results["tasp"]["internode_bytes_accounting"] == results["ring"]["internode_bytes_accounting"]
+
+
+def test_a_windowed_layers_halo_crosses_its_closed_form_and_the_schedule_everything():
+    # 2 nodes x 2 ranks, 1024 tokens in chunks of 128: a 64-token window reaches the CP
+    # neighbours only, and two of those pairs straddle the nodes (chunks 1|2 and 5|6).
+    args, window = bench_args(port=29563), (64, 0)
+    configs = [dict(parse_config("ring"), window=list(window)), dict(parse_config("ring-nohalo"), window=list(window)),
+               dict(parse_config("ring"), name="ring-causal")]
+    results = {r["name"]: r for r in run_once(args, 400.0, configs)}
+    rows = halo_rows(args.seq_length, 4, window, True)
+    crossing = sum(n for (owner, to), n in rows.items() if owner // 2 != to // 2)
+    row_bytes = args.heads * 2 * args.head_dim * 4  # K|V, float32 both ways
+    assert results["ring"]["path"] == "halo" and results["ring-nohalo"]["path"] == "schedule"
+    assert results["ring"]["internode_bytes_accounting"] == 2 * crossing * row_bytes
+    assert results["ring-nohalo"]["internode_bytes_accounting"] == results["ring-causal"]["internode_bytes_accounting"]
+    for r in results.values():
+        ratio = r["internode_bytes_kernel"] / r["internode_bytes_accounting"]
+        assert 1.0 <= ratio < 1.25, (r["name"], ratio)  # a halo's few small messages carry more headers

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field, replace
 import pytest
 
 from benchmarks.cluster_bench import cluster_spec, parser, workload
-from benchmarks.planner_validation import TOLERANCE, cluster_key, load
-from benchmarks.ranking import check_ranking
+from benchmarks.testbed.planner_validation import TOLERANCE, cluster_key, load
+from benchmarks.testbed.ranking import check_ranking
 from megatron_startrail.accounting import AttentionShape, expected_comm, kept_for_backward_bytes
 from megatron_startrail.cluster import DEFAULT_CLUSTER, IB_EFFICIENCY, ClusterSpec, preset
 from megatron_startrail.memory_model import layer_memory_bytes
@@ -33,7 +33,7 @@ from megatron_startrail.topology import StarTrailTopology, valid_team_sizes
 from megatron_startrail.transfer import sub_ring_lanes
 
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
-# The runs of benchmarks/README.md's "Planner vs measurement" (its planner_validation.json lists them).
+# The runs of benchmarks/testbed/README.md's "Planner vs measurement" (its planner_validation.json lists them).
 VALIDATION_RUNS = [os.path.join(RESULTS, os.path.basename(p))
                    for p in json.load(open(os.path.join(RESULTS, "planner_validation.json")))["runs"]]
 WORK = Workload(seq_length=8192, heads=4, kv_heads=4, head_dim=32, batch=1, dtype_bytes=4, causal=True)
@@ -113,7 +113,8 @@ def test_priced_inter_node_bytes_are_the_committed_runs_counters():
         world = args.nodes * args.ranks_per_node
         base = cluster_spec(args, r["rate_mbit"], r["calibration"])
         cluster = Recording(**{f: getattr(base, f) for f in ClusterSpec.__dataclass_fields__})
-        predict(cluster, workload(args), world, r["team_size"], r["ulysses"], r["transfer"], r.get("regather", False))
+        predict(cluster, workload(args, r.get("window")), world, r["team_size"], r["ulysses"], r["transfer"],
+                r.get("regather", False), halo_exchange=r.get("halo", True))
         crossing = sum(n for a, b, n in cluster.p2p if cluster.node_of(a) != cluster.node_of(b))
         assert crossing == pytest.approx(r["internode_bytes_accounting"], rel=1e-9), (source, r["name"])
         checked += 1
@@ -121,7 +122,7 @@ def test_priced_inter_node_bytes_are_the_committed_runs_counters():
 
 
 def test_committed_runs_are_ranked_and_predicted_within_bounds():
-    # The 13 validation runs (benchmarks/README.md, "Planner vs measurement"), priced from
+    # The 13 validation runs (benchmarks/testbed/README.md, "Planner vs measurement"), priced from
     # each run's own calibration: every pair of configurations one of which was faster in
     # every round is ordered as measured, and every prediction is within 20 %.
     rows = load(VALIDATION_RUNS)

@@ -1,6 +1,6 @@
-"""benchmarks/ranking.py: which measured orders count, and which predictions get them wrong."""
+"""benchmarks/testbed/ranking.py: which measured orders count, and which predictions get them wrong."""
 
-from benchmarks.ranking import clear_pairs, ranking_errors, ties
+from benchmarks.testbed.ranking import clear_pairs, ranking_errors, ties
 
 
 def row(name, times):
@@ -30,7 +30,7 @@ def test_sequential_runs_need_disjoint_time_ranges():
 
 
 def test_wrong_pairs_carry_their_measured_gap():
-    from benchmarks.ranking import MATERIAL_GAP, check_ranking  # noqa: PLC0415
+    from benchmarks.testbed.ranking import MATERIAL_GAP, check_ranking  # noqa: PLC0415
 
     rows = [dict(row("a", [100, 101, 100]), time_ms_median=100, predicted_ms=2.0),
             dict(row("b", [102, 103, 102]), time_ms_median=102, predicted_ms=1.0),  # 2% slower, predicted faster

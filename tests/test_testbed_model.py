@@ -1,4 +1,4 @@
-"""The test bed's refinement of the planner (benchmarks/testbed_model.py, peer_models.py):
+"""The test bed's refinement of the planner (benchmarks/testbed/testbed_model.py, peer_models.py):
 its rules, each on the case it was written for. How well they predict is checked against
 the committed runs in tests/test_planner.py."""
 
@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from benchmarks.peer_models import EMPTY_MESSAGE_WIRE_BYTES, empty_messages_crossing, permute_overhead_s
-from benchmarks import testbed_model
-from benchmarks.testbed_model import TestBedCluster, ring_streams
+from benchmarks.testbed import testbed_model
+from benchmarks.testbed.peer_models import EMPTY_MESSAGE_WIRE_BYTES, empty_messages_crossing, permute_overhead_s
+from benchmarks.testbed.testbed_model import TestBedCluster, ring_streams
 from megatron_startrail.cluster import ClusterSpec
 
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")

@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from megatron_startrail import new_startrail_groups, startrail_attn
+from megatron_startrail.accounting import AttentionShape, expected_comm, halo_bytes, halo_rows
+from megatron_startrail.halo import MAX_HALO_SHARE
 from megatron_startrail.layout import plan_blocks
 from tests.attention_cases import full_inputs, relative_error
 from tests.multiproc import run_ranks
@@ -113,6 +115,70 @@ def test_window_matches_float64_and_the_halo_moves_only_the_window(world, team_s
         assert "halo" not in fwd and ("sub_ring" in fwd or "team_all_gather" in fwd), fwd
         fwd, _ = seen[("dense", (20, 0), True)]
         assert ("halo" in fwd) == (2 * 20 <= seq // 4), fwd  # a middle rank: 20 rows before each chunk
+
+
+# (window, causal, halo_exchange): within a chunk, between one and two chunks, past a quarter
+# of the sequence (the schedule runs), non-causal both sides, and the halo switched off.
+HALO_CASES = [((3, 0), True, True), ((8, 0), True, True), ((13, 0), True, True), ((20, 0), True, True),
+              ((3, 4), False, True), ((9, 6), False, True), ((1000, 0), True, True), ((3, 0), True, False)]
+FIELDS = ("p2p_bytes_sent", "p2p_bytes_recv", "collective_bytes_sent", "collective_bytes_recv", "p2p_steps")
+
+
+def halo_bytes_worker(rank, world_size, team_size, ulysses, kv_heads, v_dim, dtype):
+    """Dense windowed attention for every case of HALO_CASES; returns this rank's counters
+    (and, in float64, the errors against the windowed reference)."""
+    groups = new_startrail_groups(team_size=team_size, ulysses_size=ulysses)
+    seq = 2 * world_size * CHUNK
+    mine = held_positions(rank, world_size, torch.tensor([0, seq]), None)
+    seen, errors = [], []
+    for index, (window, causal, halo) in enumerate(HALO_CASES):
+        q, k, v, dout = full_inputs(200 + index, seq, 1, HEADS, kv_heads, DIM, torch.float64)
+        v, dout = v[..., :v_dim].contiguous(), dout[..., :v_dim].contiguous()
+        lq, lk, lv = (t[mine].to(dtype).requires_grad_(True) for t in (q, k, v))
+        out = startrail_attn(lq, lk, lv, groups, causal=causal, window_size=window, halo_exchange=halo)
+        out.backward(dout[mine].to(dtype))
+        fwd, bwd = groups.last_forward_stats, groups.last_backward_stats
+        seen.append((fwd.as_dict(), bwd.as_dict()))
+        if dtype == torch.float64:
+            ref = windowed_reference(q, k, v, dout, torch.zeros(seq, dtype=torch.long), torch.arange(seq), window,
+                                     causal, DIM**-0.5)
+            errors += [relative_error(got, want[mine]) for got, want in zip((out, lq.grad, lk.grad, lv.grad), ref)]
+    return groups.cp_rank, seen, max(errors, default=0.0)
+
+
+@pytest.mark.parametrize("world, team_size, ulysses, kv_heads, v_dim, dtype", [
+    (4, 1, 1, 2, DIM, torch.float64),          # ring attention's layout
+    (8, 2, 1, 1, DIM, torch.bfloat16),         # StarTrail C = 2, MQA; K|V in bf16, dK|dV in float32
+    (8, 2, 2, 2, DIM // 2, torch.float64),     # Ulysses 2 x StarTrail C = 2, MLA head dims
+])
+def test_halo_bytes_equal_their_closed_form(world, team_size, ulysses, kv_heads, v_dim, dtype):
+    """Each rank's counters equal accounting.halo_bytes (and per peer halo_rows) wherever no
+    rank's window reaches past MAX_HALO_SHARE of the sequence, whatever C and U; elsewhere,
+    and with halo_exchange=False, the schedule's closed form (expected_comm): a window
+    skips blocks, never transfers."""
+    results = run_ranks(halo_bytes_worker, world, args=(team_size, ulysses, kv_heads, v_dim, dtype), timeout=600)
+    seq, e = 2 * world * CHUNK, torch.tensor([], dtype=dtype).element_size()
+    shape = AttentionShape(seq // world, 1, HEADS, kv_heads, DIM, e, v_head_dim=v_dim)
+    row = kv_heads * (DIM + v_dim)  # elements of one K|V row
+    halo_runs = 0
+    for cp_rank, seen, error in results:
+        assert error <= TOL, f"rank {cp_rank}: windowed attention off by {error:.2e}"
+        for (window, causal, halo), (fwd, bwd) in zip(HALO_CASES, seen):
+            rows = halo_rows(seq, world, window, causal)
+            received = [sum(n for (_, r), n in rows.items() if r == x) for x in range(world)]
+            if halo and max(received) <= MAX_HALO_SHARE * seq:
+                halo_runs += 1
+                want = halo_bytes(shape, cp_size=world, window=window, causal=causal, cp_rank=cp_rank)
+                sent_to = {peer: n * row * e for (owner, peer), n in rows.items() if owner == cp_rank}
+                assert fwd["bytes_sent_by_op"] == {"halo": want["forward"]["p2p_bytes_sent"]}, (window, fwd)
+                assert fwd["p2p_bytes_sent_to"] == sent_to, (window, fwd)
+            else:
+                want = expected_comm(shape, cp_size=world, team_size=team_size, ulysses_size=ulysses,
+                                     startrail_rank=cp_rank // ulysses)
+                assert "halo" not in fwd["bytes_sent_by_op"], (window, halo, fwd)
+            for phase, got in (("forward", fwd), ("backward", bwd)):
+                assert {f: got[f] for f in FIELDS} == want[phase], (window, causal, halo, cp_rank, phase)
+    assert halo_runs >= 3 * world  # the halo ran for three windows or more on every rank
 
 
 def test_blocks_outside_the_window_make_no_kernel_call():

@@ -232,13 +232,22 @@ def _planner_inputs(args, heads: int, kv_heads: int) -> dict:
     )
 
 
+def _window_inputs(args) -> dict:
+    """--window-size / --window-attn-skip-freq for the planner, when the model has windows:
+    it prices the windowed layers (a halo exchange, or the schedule with the window's
+    compute) and the full ones in Megatron's mix over the stage's layers."""
+    if not getattr(args, "window_size", None):
+        return {}
+    return dict(window_size=tuple(args.window_size), window_skip_freq=getattr(args, "window_attn_skip_freq", None))
+
+
 def _auto_plan(args, heads: int, kv_heads: int) -> None:
     """--startrail-team-size auto: the planner's fastest team size within the memory limit,
     priced on its default cluster (cluster.DEFAULT_CLUSTER: H100 nodes, 8 x 400 Gbit/s
     InfiniBand each) with this job's CP ranks per node; regathering on when it needs it to fit."""
     from ..planner import choose_plan  # noqa: PLC0415 - only for auto
 
-    best = choose_plan(**_planner_inputs(args, heads, kv_heads))
+    best = choose_plan(**_planner_inputs(args, heads, kv_heads), **_window_inputs(args))
     args.startrail_team_size = best.team_size
     args.startrail_regather_in_backward = getattr(args, "startrail_regather_in_backward", False) or \
         best.regather_in_backward

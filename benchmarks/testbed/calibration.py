@@ -5,7 +5,7 @@ at once, each figure the median of 5 repeats (the machine is shared: one repeat 
 by someone else's load), so each number is what a rank gets while every other rank is busy too -- the
 state the attention runs in. Nothing here looks at the attention's timings: the planner
 is calibrated per cluster, then compared with the attention rows it never saw.
-benchmarks/testbed_model.py builds the planner's cluster (the test bed's preset) from
+benchmarks/testbed/testbed_model.py builds the planner's cluster (the test bed's preset) from
 these figures.
 
 * ``step_latency_s``: a tiny ring exchange over all ranks (process scheduling as much
@@ -21,16 +21,16 @@ these figures.
   the previous node (all of a node's ranks share its shaped uplink), each connection
   carrying one direction only: bytes per node / time. What TCP over the shaped link
   really delivers (close to nominal since the link is shaped as a full-duplex NIC,
-  benchmarks/netns_cluster.py).
+  benchmarks/testbed/netns_cluster.py).
 * ``inter_node_duplex_gbs``: the same with every rank exchanging both ways with the
   same-index rank of its partner node (nodes paired 0-1, 2-3, ...), each direction on its
   own connection, as the project's transport sends on gloo (a second process group for
   transfers to a lower rank: a single message each way on one connection serialises,
-  benchmarks/burst_probe.py). Before that, one connection carried both directions,
-  and that moved 1-15% less
-  (benchmarks/link_probe.py, results/link_probe.md: on 2x4 at 25 / 50 Mbit/s, one
-  message per rank per round, one flow each way got 2.8 / 5.9 MB/s on one connection
-  against 3.1 / 6.3 on two, four flows 3.0 / 6.0 against 3.1 / 6.2; under the earlier
+  the burst probe, benchmarks/results/burst_probe.md). Before that, one connection
+  carried both directions, and that moved 1-15% less (the link probe,
+  benchmarks/results/link_probe.md: on 2x4 at 25 / 50 Mbit/s, one message per rank per
+  round, one flow each way got 2.8 / 5.9 MB/s on one connection against 3.1 / 6.3 on
+  two, four flows 3.0 / 6.0 against 3.1 / 6.2; under the earlier
   single-tbf shaping, whose queue held the reverse direction's ACKs behind data, the
   gap was 1.8 / 3.6 against 2.5 / 5.4). Ulysses x ring over 2 nodes (a ring of two)
   sends that way; ring attention's and StarTrail-2's transfers on 2 nodes do not.

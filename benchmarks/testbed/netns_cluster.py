@@ -74,8 +74,8 @@ def _shape(ns: str, dev: str, rate_mbit: float) -> None:
     behind up to 100 ms of outgoing data, the senders' windows stalled and the link
     idled; tbf's queue also dropped ~20% of packets (TCP retransmits, 200 ms timeouts).
     On 2x4 at 25 Mbit/s (3.12 MB/s) one flow moved 2.1-2.5 MB/s one way per rank pair,
-    1.8 both ways on one pair (benchmarks/link_probe.py); with this (and ``QUICKACK``)
-    3.1 and 2.8, four flows 3.1 and 3.0, no packet dropped. A NIC of a GPU cluster is
+    1.8 both ways on one pair (the link probe, benchmarks/results/link_probe.md); with
+    this (and ``QUICKACK``) 3.1 and 2.8, four flows 3.1 and 3.0, no packet dropped. A NIC of a GPU cluster is
     full duplex and its fabric lossless (InfiniBand credits, RoCE with PFC); this is
     closer to that. The ACKs still count against the rate (they borrow from the one
     parent class), with a 50th of it guaranteed. The priority class takes every IP

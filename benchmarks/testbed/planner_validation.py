@@ -1,17 +1,16 @@
 """Planner vs measurement over several emulated clusters (the outputs of cluster_bench.py).
 
-    python benchmarks/planner_validation.py RUN1.json RUN2.json ... --out benchmarks/results/planner_validation
+    python benchmarks/testbed/planner_validation.py RUN1.json RUN2.json ... --out benchmarks/results/planner_validation
 
-Every run measured its own cluster first (benchmarks/calibration.py: effective link
-rates, step latency, attention rate under contention, overlap) and the planner priced
-every configuration from those numbers alone; no attention timing went into any
-prediction (the model's structure did learn from earlier runs: benchmarks/README.md says
-which runs came after which change). Predictions are recomputed here from each run's
-stored calibration with the current planner and the test bed's preset
-(benchmarks/testbed_model.py; ``--without-gloo-rules``: the package's model alone on the
-same figures). Writes OUT.md (per row: measured, predicted,
-error, within 20 %; per cluster: rankings, strict (medians) and up to noise, see
-benchmarks/ranking.py), OUT.json and OUT.png (predicted vs measured).
+Every run measured its own cluster first (calibration.py: effective link rates, step
+latency, attention rate under contention, overlap) and the planner priced every
+configuration from those numbers alone; no attention timing went into any prediction (the
+model's structure did learn from earlier runs: benchmarks/testbed/README.md says which
+runs came after which change). Predictions are recomputed here from each run's stored
+calibration with the current planner and the test bed's preset (testbed_model.py;
+``--without-gloo-rules``: the package's model alone on the same figures). Writes OUT.md
+(per row: measured, predicted, error, within 20 %; per cluster: rankings, strict (medians)
+and up to noise, see ranking.py), OUT.json and OUT.png (predicted vs measured).
 """
 
 from __future__ import annotations
@@ -21,10 +20,11 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The repository root (two levels up), so that ``benchmarks`` imports when run as a script.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from benchmarks.cluster_bench import parser, predictions  # noqa: E402
-from benchmarks.ranking import MATERIAL_GAP, check_ranking  # noqa: E402
+from benchmarks.testbed.ranking import MATERIAL_GAP, check_ranking  # noqa: E402
 
 TOLERANCE = 0.20
 
@@ -121,7 +121,7 @@ def main() -> None:
     p.add_argument("runs", nargs="+", help="JSON outputs of cluster_bench.py")
     p.add_argument("--out", required=True)
     p.add_argument("--without-gloo-rules", action="store_true",
-                   help="price with the package's model alone (benchmarks/testbed_model.py's rules left out)")
+                   help="price with the package's model alone (testbed_model.py's rules left out)")
     args = p.parse_args()
     rows = load(args.runs, gloo_rules=not args.without_gloo_rules)
     text = report(rows)

@@ -1,12 +1,12 @@
 """The test bed's preset: the planner's cluster built from a calibration
-(benchmarks/calibration.py), with what gloo and the emulated links do that a GPU cluster's
+(benchmarks/testbed/calibration.py), with what gloo and the emulated links do that a GPU cluster's
 transport does not.
 
 The package's model (megatron_startrail/cluster.py) prices a round of transfers as
 latency + bytes / bandwidth per link and every sub-ring step's latency. On the test bed
 (gloo over TCP, nodes as network namespaces, links shaped with ``tc``, latencies of
 milliseconds) three things differ, each found by a probe or a validation run
-(benchmarks/README.md, "Planner vs measurement"):
+(benchmarks/testbed/README.md, "Planner vs measurement"):
 
 * **Duplex rate.** A round in which some rank pair on two nodes sends both ways moves at
   the calibrated both-ways rate (``inter_node_duplex_gbs``; gloo used to carry both
@@ -94,7 +94,7 @@ class TestBedCluster(ClusterSpec):
 def testbed_cluster(calibration: dict, nodes: int, ranks_per_node: int, rate_mbit: float,
                     full_mesh: bool = False, gloo_rules: bool = True) -> ClusterSpec:
     """The planner's view of an emulated cluster, from what its ranks measured on it
-    before any attention ran (benchmarks/calibration.py): effective inter- and intra-node
+    before any attention ran (benchmarks/testbed/calibration.py): effective inter- and intra-node
     rates, step latency (the same inside and between nodes: process scheduling as much as
     the network), a collective call's latency, the kernel's rate under contention, overlap.
     One shaped link per node (``nics_per_node=1``). ``gloo_rules=False``: the package's

@@ -24,14 +24,15 @@ Two facts of gloo priced here (the project's own model has no use for them):
 
 from __future__ import annotations
 
-from benchmarks.testbed_model import ring_streams
+from benchmarks.testbed.testbed_model import ring_streams
 from megatron_startrail.cluster import ClusterSpec
 from megatron_startrail.planner import BACKWARD_FLOPS_RATIO, Workload, overlapped_steps
 
 # Inter-node bytes on the wire of one empty gloo message (framing, TCP/IP headers, ACKs),
-# measured by benchmarks/rotation_probe.py (results/rotation_probe*.md: 536, 540 and 537
-# bytes on 2 x 4 at 50, 100 and 200 Mbit/s, 536 on 3 x 4; a 4-byte tensor rotated by
-# permute_tensor against the same rotation by P2P, kernel counters).
+# measured by the rotation probe (536, 540 and 537 bytes on 2 x 4 at 50, 100 and 200 Mbit/s,
+# benchmarks/results/rotation_probe.md; 536 on 3 x 4, benchmarks/results/rotation_probe_3x4.md;
+# a 4-byte tensor rotated by permute_tensor against the same rotation by P2P, kernel counters).
+# The probe was retired once this was written down: `git show 3b4c963:benchmarks/rotation_probe.py`.
 EMPTY_MESSAGE_WIRE_BYTES = 537
 
 
@@ -66,7 +67,7 @@ def predict_torch_ring(cluster: ClusterSpec, work: Workload, cp_size: int, rotat
 
     # PyTorch rotates with an all-to-all over all ranks (permute_tensor), a collective,
     # not a buffered send to one neighbour; still, measured on the emulated cluster it
-    # moves at the link's rate like the project's ring (benchmarks/README.md, planner
+    # moves at the link's rate like the project's ring (benchmarks/testbed/README.md, planner
     # validation), so it is priced as a streaming ring (testbed_model.ring_streams): the
     # inter-node latency once per phase, with its first transfer. Each call adds its
     # empty messages' bytes.
