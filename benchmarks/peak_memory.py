@@ -14,8 +14,9 @@ method of the peer table (``cluster_bench.py``):
 Both are the maximum over ranks. ``model`` is the closed form of
 :mod:`megatron_startrail.memory_model` (the attention's own buffers; the CPU kernel's
 workspace is not in it). Configurations: ring attention (team size 1) and StarTrail with
-team size C, with and without ``regather_in_backward``; by default P = 8 with C = 2 and
-P = 16 with C = 4.
+team size C, with and without ``regather_in_backward``, with the backward rotation ``auto``
+picks and with rotation "q" (streamed per team member, Note [streamed rotation q] in
+``megatron_startrail/attention.py``); by default P = 8 with C = 2 and P = 16 with C = 4.
 
 Writes ``OUT.json`` and ``OUT.md``; ``--from-json`` rewrites the table of a saved run.
 """
@@ -41,14 +42,15 @@ MiB = 2**20
 
 
 def peak_worker(rank, world_size, configs, seq, heads, dim):
-    """Every configuration's (peak live, kept for backward) bytes on this rank."""
+    """Every configuration's (peak live, kept for backward) bytes on this rank; a
+    configuration is ``(team size, regather, backward rotation)``."""
     torch.set_num_threads(1)
     n = seq // world_size
     gen = torch.Generator().manual_seed(rank)
     q0, k0, v0, dout = (torch.randn(n, 1, heads, dim, generator=gen) for _ in range(4))
     results = []
-    for team_size, regather in configs:
-        groups = new_startrail_groups(team_size=team_size)
+    for team_size, regather, rotation in configs:
+        groups = new_startrail_groups(team_size=team_size, backward_rotation=rotation)
 
         def step():
             q, k, v = (t.clone().requires_grad_(True) for t in (q0, k0, v0))
@@ -68,8 +70,9 @@ def peak_worker(rank, world_size, configs, seq, heads, dim):
     return results
 
 
-def name(team_size: int, regather: bool) -> str:
-    return "ring" if team_size == 1 else f"startrail-{team_size}" + ("-regather" if regather else "")
+def name(team_size: int, regather: bool, rotation: str) -> str:
+    core = "ring" if team_size == 1 else f"startrail-{team_size}" + ("-regather" if regather else "")
+    return core if rotation == "auto" else f"{core} (rotation {rotation})"
 
 
 def run(world_sizes: list[int], team_sizes: list[int], seq: int, heads: int, dim: int, timeout: float) -> list[dict]:
@@ -77,13 +80,17 @@ def run(world_sizes: list[int], team_sizes: list[int], seq: int, heads: int, dim
 
     rows = []
     for world, c in zip(world_sizes, team_sizes):
-        configs = [(1, False), (c, False), (c, True)]
+        # "auto" takes the backward rotation that moves fewer bytes ("kv" for this float32 MHA
+        # workload, by the lse); "q" streams the team's query side member by member.
+        configs = [(1, False, "auto"), (c, False, "auto"), (c, True, "auto"), (c, False, "q"), (c, True, "q")]
         per_rank = run_ranks(peak_worker, world, args=(configs, seq, heads, dim), timeout=timeout)
         shape = AttentionShape(seq // world, 1, heads, heads, dim, 4)
-        for index, (team, regather) in enumerate(configs):
-            model = layer_memory_bytes(shape, cp_size=world, team_size=team, regather_in_backward=regather)
+        for index, (team, regather, rotation) in enumerate(configs):
+            model = layer_memory_bytes(shape, cp_size=world, team_size=team, regather_in_backward=regather,
+                                       rotation=rotation)
             rows.append({
-                "world_size": world, "config": name(team, regather), "team_size": team, "regather": regather,
+                "world_size": world, "config": name(team, regather, rotation), "team_size": team,
+                "regather": regather, "rotation": rotation,
                 "peak_live_bytes": max(r[index][0] for r in per_rank),
                 "kept_bytes": max(r[index][1] for r in per_rank),
                 "model_peak_bytes": model["peak"],
@@ -105,9 +112,9 @@ def table(rows: list[dict], before: dict | None = None) -> str:
                 f"{r['peak_live_bytes'] / ring[r['world_size']]:.2f}x | {r['model_peak_bytes'] / MiB:.2f} | "
                 f"{r['kept_bytes'] / MiB:.2f} |")
         if before:
-            old = before[(r["world_size"], r["config"])]
+            old = before.get((r["world_size"], r["config"]))
             old_ring = before[(r["world_size"], "ring")]
-            line += f" {old / MiB:.2f} | {old / old_ring:.2f}x |"
+            line += " - | - |" if old is None else f" {old / MiB:.2f} | {old / old_ring:.2f}x |"
         lines.append(line)
     return "\n".join(lines) + "\n"
 

@@ -18,22 +18,27 @@ forward
               + (C-1) El a                   ... and of their lse
     p2p sent    (init + G - 1) C Ekv e       initial send + sub-ring        [paper eq. 3
     steps       init + G - 1                                                  omits init]
-backward, rotation "q" (paper 3.2.1: K, V fixed; Q, dO, out, lse and dQ circulate)
+backward, rotation "q" (paper 3.2.1: K, V fixed; Q, dO, out, lse and dQ circulate,
+streamed in C passes of one member's rows, Note [streamed rotation q] in attention.py)
     p2p sent    (G-1) C ((Eq + 2 Eo) e + El a) + [G>1] G C Eq a + init C Ekv a
+    collective  as "kv" below, + (C-1) Eq e  (Q broadcast in the team: the forward keeps
+                                              only this rank's)
+    steps       C [G>1] G + init
 backward, rotation "kv" (K, V and dK, dV circulate; cheaper with GQA)
     p2p sent    (G-1) C Ekv e + [G>1] G C Ekv a + init C Ekv a
     collective  (C-1) (2 Eo e + El a)       all-gather dO, out, lse
               + (C-1) (Eq + Ekv) a           reduce-scatter dQ, dK, dV (float32)
     steps       [G>1] G + init              (the gradient accumulator's chain)
 backward with regathering (``regather_in_backward``) adds the forward's phases 1-2:
-    collective  (C-1) (Eq + Ekv) e           team all-gather of Q, K, V (inside a node)
+    collective  (C-1) (Eq + Ekv) e           team all-gather of Q, K, V (inside a node;
+                                             K, V only with rotation "q")
     p2p sent    init C Ekv e                 initial send (may cross nodes)
     steps       init
 Ulysses (U > 1) adds (U-1)/U of the all-to-all'd Q, K, V and output bytes each way.
 
 Kept for backward by the attention (:func:`kept_for_backward_bytes`), per rank:
-``(C Eq + C Ekv) e + Eo e + El a``, or with regathering ``(Eq + Ekv + Eo) e + El a``
-(ring attention's: its own q, k, v, out, lse).
+``(C Eq + C Ekv) e + Eo e + El a`` (rotation "q": ``(Eq + C Ekv + Eo) e + El a``), or with
+regathering ``(Eq + Ekv + Eo) e + El a`` (ring attention's: its own q, k, v, out, lse).
 """
 
 from __future__ import annotations
@@ -118,15 +123,20 @@ def choose_backward_rotation(shape: AttentionShape, ulysses_size: int, team_size
 
 
 def kept_for_backward_bytes(shape: AttentionShape, *, ulysses_size: int, team_size: int,
-                            regather_in_backward: bool) -> int:
+                            regather_in_backward: bool, rotation: str = "auto") -> int:
     """Bytes one rank's attention keeps for its backward (its saved tensors, inputs of
     the StarTrail function included; after the Ulysses all-to-all those are its own
-    q, k, v). Ring attention (C = 1) always keeps what regathering keeps."""
+    q, k, v). Ring attention (C = 1) always keeps what regathering keeps. Without
+    regathering: the K, V of the initial send and, for rotation "kv", the team's Q (rotation
+    "q" takes the team's queries member by member in the backward: this rank's q only)."""
     c, e, a = team_size, shape.dtype_bytes, shape.acc_bytes
     el = startrail_rank_elements(shape, ulysses_size)
     if regather_in_backward or c == 1:
         return (el.q + el.kv + el.out) * e + el.lse * a
-    return c * (el.q + el.kv) * e + el.out * e + el.lse * a
+    if rotation == "auto":
+        rotation = choose_backward_rotation(shape, ulysses_size, c)
+    queries = el.q if rotation == "q" else c * el.q
+    return (queries + c * el.kv + el.out) * e + el.lse * a
 
 
 def expected_comm(
@@ -168,9 +178,15 @@ def expected_comm(
     payload, accumulator = backward_p2p_parts(shape, u, c)[rotation]
     bwd_p2p = (g - 1) * payload + (g * accumulator if g > 1 else 0) + init * c * ekv * a
     bwd_coll = (c - 1) * ((2 * eo * e + e_lse * a) + (eq + ekv) * a) + uly_in + uly_out
-    bwd_steps = (g if g > 1 else 0) + init
+    # Rotation "q" takes the team's queries member by member (Note [streamed rotation q] in
+    # attention.py): C passes of G steps each, and Q itself is broadcast in the backward
+    # (the forward keeps only this rank's) -- so a regathering backward gathers K, V only.
+    passes = c if rotation == "q" else 1
+    bwd_steps = passes * (g if g > 1 else 0) + init
+    if rotation == "q":
+        bwd_coll += (c - 1) * eq * e
     if regather_in_backward:  # phases 1-2 again
-        bwd_coll += gather_inputs
+        bwd_coll += gather_inputs - ((c - 1) * eq * e if rotation == "q" else 0)
         bwd_p2p += init_send
         bwd_steps += init
 

@@ -63,7 +63,8 @@ def _team_segments(groups: StarTrailGroups, docs: Documents, team: int) -> tuple
 # -- the phases; the forward runs 1-4, the backward re-runs 1-2 when regathering ------------
 
 
-def _gather_team_and_send(comm: Communicator, groups: StarTrailGroups, q, k, v, *, gather_op: str, send_op: str):
+def _gather_team_and_send(comm: Communicator, groups: StarTrailGroups, q, k, v, *, gather_op: str, send_op: str,
+                          gather_q: bool = True):
     """Phases 1-2, overlapped. Team all-gather: ``q [n, b, h, dqk]``, ``k [n, b, hkv, dqk]``,
     ``v [n, b, hkv, dv]`` -> ``q_team [C*n, b, h, dqk]``, ``kv_team [C*n, b, hkv, dqk + dv]``;
     initial send (paper Alg. 2) of ``kv_team`` to ``init_send_dst``, in ``C`` pieces. Returns
@@ -72,12 +73,13 @@ def _gather_team_and_send(comm: Communicator, groups: StarTrailGroups, q, k, v, 
 
     Both gathers start at once, K, V first: the initial send needs only them, so it goes
     out while Q is still being gathered. K and V travel side by side in the last dim, so
-    V keeps its own head dim (MLA)."""
+    V keeps its own head dim (MLA). ``gather_q=False`` (the backward with rotation "q",
+    which takes the team's queries member by member) gathers K, V only; ``q_team`` is None."""
     c = groups.team_size
     kv_gather = comm.all_gather(torch.cat([k, v], dim=-1), groups.team_group, c, op=gather_op, wait=False)
-    q_gather = comm.all_gather(q, groups.team_group, c, op=gather_op, wait=False)
+    q_gather = comm.all_gather(q, groups.team_group, c, op=gather_op, wait=False) if gather_q else None
     kv_init = post_initial_send(comm, groups.topology, groups.startrail_rank, kv_gather.wait(), op=send_op)
-    return q_gather.wait(), kv_init
+    return (q_gather.wait() if gather_q else None), kv_init
 
 
 def _sub_ring_forward(comm, groups, docs, kernel, transfer, q_team, kv_init: PieceTransfer, *, causal, scale,
@@ -160,6 +162,8 @@ class _StarTrailAttention(torch.autograd.Function):
         ctx.regather = regather or regathers_for_free(groups)
         if ctx.regather:
             ctx.save_for_backward(q, k, v, out, lse)
+        elif rotation == "q":  # the backward takes the team's queries member by member: keep only this rank's
+            ctx.save_for_backward(q, kv_init.tensor, out, lse)
         else:
             ctx.save_for_backward(q_team, kv_init.tensor, out, lse)
         ctx.groups, ctx.docs, ctx.causal, ctx.scale, ctx.kernel = groups, docs, causal, scale, kernel
@@ -169,6 +173,8 @@ class _StarTrailAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        if ctx.rotation == "q":
+            return _backward_q(ctx, dout)
         groups, docs = ctx.groups, ctx.docs
         comm = Communicator(ctx.bwd_stats, groups.transport, ctx.timeline)
         if ctx.regather:  # phases 1-2 again, on this rank's q, k, v
@@ -180,25 +186,129 @@ class _StarTrailAttention(torch.autograd.Function):
             kv_init = PieceTransfer.local(kv_team, groups.team_size)
         dtype = q_team.dtype
         do_out, lse_team = _gather_query_side(comm, groups, dout, out, lse)
-        # dK, dV go back along the reverse of the initial send (started inside, piece by
-        # piece, with rotation "q") while dQ is reduce-scattered in the team (float32):
-        # every member keeps its own rows.
-        dq_team, dkv_back = _sub_ring_backward(comm, groups, docs, ctx.kernel, ctx.transfer, ctx.rotation,
-                                               q_team, do_out, lse_team, kv_init, causal=ctx.causal,
-                                               scale=ctx.scale, window=ctx.window,
-                                               tile_rows=q_team.shape[0] // groups.team_size)
+        # dK, dV go back along the reverse of the initial send while dQ is reduce-scattered
+        # in the team (float32): every member keeps its own rows.
+        dq_team, dkv_back = _sub_ring_backward_kv(comm, groups, docs, ctx.kernel, ctx.transfer, q_team, do_out,
+                                                  lse_team, kv_init, causal=ctx.causal, scale=ctx.scale,
+                                                  window=ctx.window, tile_rows=q_team.shape[0] // groups.team_size)
         # The team's buffers are done with: free them before the reductions (peak memory;
         # what the forward saved stays alive in ctx until the backward returns).
         del q_team, do_out, lse_team, kv_init
         dqk = dq_team.shape[-1]
         dq = comm.reduce_scatter(dq_team, groups.team_group, groups.team_size, op="team_reduce_scatter")
         del dq_team
-        dkv = comm.reduce_scatter(dkv_back.wait(), groups.team_group, groups.team_size, op="team_reduce_scatter")
+        dkv = _reduce_reverse_pieces(comm, groups, dkv_back)
         dk, dv = dkv[..., :dqk].to(dtype), dkv[..., dqk:].to(dtype)
         return (dq.to(dtype), dk, dv) + (None,) * 11
 
 
-# -- the backward's own phases ---------------------------------------------------------------
+def _backward_q(ctx, dout):
+    """The backward with rotation "q" (paper 3.2.1: K, V fixed; Q, dO, out, lse and dQ
+    circulate), streamed member by member (Note [streamed rotation q])."""
+    groups = ctx.groups
+    comm = Communicator(ctx.bwd_stats, groups.transport, ctx.timeline)
+    if ctx.regather:  # phase 2 again (K, V only: the queries come member by member)
+        q, k, v, out, lse = ctx.saved_tensors
+        _, kv_init = _gather_team_and_send(comm, groups, q, k, v, gather_op="regather_team_all_gather",
+                                           send_op="regather_init_send", gather_q=False)
+    else:
+        q, kv_team, out, lse = ctx.saved_tensors
+        kv_init = PieceTransfer.local(kv_team, groups.team_size)
+    dtype, dqk = q.dtype, q.shape[-1]
+    dq, dkv_back = _sub_ring_backward_q(comm, groups, ctx.docs, ctx.kernel, ctx.transfer, q, dout, out, lse,
+                                        kv_init, causal=ctx.causal, scale=ctx.scale, window=ctx.window)
+    del kv_init
+    dkv = _reduce_reverse_pieces(comm, groups, dkv_back)
+    dk, dv = dkv[..., :dqk].to(dtype), dkv[..., dqk:].to(dtype)
+    return (dq.to(dtype), dk, dv) + (None,) * 11
+
+
+def _reduce_reverse_pieces(comm, groups, reverse: ReverseInitialSend) -> torch.Tensor:
+    """This rank's ``dkv [n, b, hkv, dqk + dv]``: piece ``j`` of what the reverse initial send
+    brought (member ``j``'s rows, from this rank's sub-ring), summed over the team into
+    member ``j`` -- a reduce-scatter done piece by piece, so that the team's dK, dV are never
+    all here at once."""
+    c, member = groups.team_size, groups.topology.member_of(groups.startrail_rank)
+    mine = None
+    for j in range(c):
+        piece = comm.reduce(reverse.piece(j), groups.team_group, c, dst=j, mine=member == j, op="team_reduce")
+        if member == j:
+            mine = piece
+        reverse.release(j)
+    return mine
+
+
+# Note [streamed rotation q]
+# --------------------------
+# With rotation "q" every position circulates its team's query side (Q, dO, out, lse of
+# the team's C*n rows) around its sub-ring, against the fixed K, V of the initial send.
+# Gathering the whole query side at once would hold C times a ring rank's buffers (the
+# side, its copy in flight, dQ accumulators) on top of the fixed K, V and their float32
+# gradients. Instead the backward makes C passes, one per team member i:
+#
+#     team broadcast from member i    q_i, dO_i, out_i, lse_i        (n rows)
+#     rotate over the sub-ring         the n rows and their dQ accumulator, G steps,
+#                                      each position adding into its fixed dK, dV
+#     team reduce to member i          dQ of member i's rows, summed over the team
+#
+# The bytes are those of the unstreamed schedule: over the C passes each rank is the
+# broadcast's source once, as in an all-gather, and the reduce's destination once, as in
+# a reduce-scatter; the sub-ring moves C payloads of n rows instead of one of C*n rows.
+# What grows is the number of sequential steps (C G instead of G) and of collectives. The
+# initial send's pieces are attended as they land in pass 0; dK, dV go back piece by piece
+# at the last step of the last pass.
+
+
+def _sub_ring_backward_q(comm, groups, docs, kernel, transfer, q, dout, out, lse, kv_init: PieceTransfer, *,
+                         causal, scale, window=None):
+    """Note [streamed rotation q]. ``q [n, b, h, dqk]``, ``dout``, ``out [n, b, h, dv]``,
+    ``lse [n, b, h]`` of this rank. Returns this rank's ``dq [n, b, h, dqk]`` (accumulator
+    dtype) and the reverse initial send of ``dkv_init [C*n, b, hkv, dqk + dv]``, started."""
+    topo, pos, c = groups.topology, groups.startrail_rank, groups.team_size
+    member, n = topo.member_of(pos), q.shape[0]
+    acc_dtype = blocks.acc_dtype(q.dtype)
+    own_side = [q, dout.contiguous(), out, lse]  # [n, b, h, dqk], [n, b, h, dv] x 2, [n, b, h]
+    own_kv_segments = _team_segments(groups, docs, topo.kv_team_at_step(pos, 0))
+    dkv_init = kv_init.tensor.new_zeros(kv_init.tensor.shape, dtype=acc_dtype)
+    reverse = ReverseInitialSend(comm, topo, pos, dkv_init, kv_init.bounds)
+    lanes = sub_ring_lanes(topo, pos, transfer)
+    dq = None
+    for i in range(c):
+        side = own_side if member == i else [torch.empty_like(t) for t in own_side]
+        if c > 1:
+            pending = [comm.broadcast(t, groups.team_group, c, src=i, mine=member == i, op="team_broadcast",
+                                      wait=False) for t in side]
+            side = [p.wait() for p in pending]
+        # The rows of member i of the team at ``origin`` (Note [documents]: members in order).
+        q_rot = LaneSplit(lanes, n, lambda origin, i=i: segment_rows(
+            _team_segments(groups, docs, topo.team_of(origin)), i * n, (i + 1) * n))
+        last = (i == c - 1, len(q_rot.lanes[0].order) - 1)
+
+        def step_q(step, payloads, _rows, q_rot=q_rot, last=last):
+            dqs = [held[0].new_zeros(held[0].shape, dtype=acc_dtype) for held in payloads]
+            for piece, (a, b) in enumerate(kv_init.bounds):  # K, V pieces, as they land (pass 0, step 0)
+                kv, kv_segments = kv_init.piece(piece), segment_rows(own_kv_segments, a, b)
+                for lane_index, (lane, (q_part, dout_part, out_part, lse_rows), dq_part) in enumerate(
+                        zip(q_rot.lanes, payloads, dqs)):
+                    q_segments = q_rot.part_segments(lane.origin(pos, step), lane_index)
+                    blocks.backward_step(kernel, q_part, dout_part, out_part, lse_rows, kv, q_segments, kv_segments,
+                                         dq_part, dkv_init[a:b], causal=causal, scale=scale, window=window,
+                                         tile_rows=n)
+                if last == (True, step):
+                    reverse.send(piece)  # these rows of dK, dV are final
+            return [[dq_part] for dq_part in dqs]
+
+        home = rotate(comm, q_rot.lanes, pos, q_rot.split(side), step_q, op="sub_ring", accumulate=True)
+        del side
+        dq_i = q_rot.join([lane_acc[0] for lane_acc in home])  # [n, b, h, dqk]: member i's rows
+        if c > 1:
+            dq_i = comm.reduce(dq_i, groups.team_group, c, dst=i, mine=member == i, op="team_reduce")
+        if member == i:
+            dq = dq_i
+    return dq, reverse
+
+
+# -- the backward's own phases (rotation "kv") ------------------------------------------------
 
 
 def _gather_query_side(comm, groups, dout, out, lse):
@@ -211,16 +321,14 @@ def _gather_query_side(comm, groups, dout, out, lse):
     return do_out.wait(), lse_team.wait()
 
 
-def _sub_ring_backward(comm, groups, docs, kernel, transfer, rotation, q_team, do_out, lse_team,
-                       kv_init: PieceTransfer, *, causal, scale, window=None, tile_rows=None):
-    """The forward's sub-ring schedule with one side fixed and the other circulating with
-    its gradient accumulator (``rotation`` "q": Q, dO, out, lse and dQ move, paper 3.2.1;
-    "kv": K, V and dK, dV move); step 0 uses each piece of ``kv_init`` as it lands.
-    ``q_team [C*n, b, h, dqk]``, ``do_out [C*n, b, h, 2 dv]`` (dO | out), ``lse_team [C*n, b, h]``.
-    Returns ``dq_team [C*n, b, h, dqk]`` and the reverse initial send of
-    ``dkv_init [C*n, b, hkv, dqk + dv]`` (accumulator dtype), started: with "q" each piece
-    goes back once the last step has computed it, with "kv" when the accumulators are home.
-    ``tile_rows`` bounds the rows of one kernel call (:func:`blocks.backward_step`)."""
+def _sub_ring_backward_kv(comm, groups, docs, kernel, transfer, q_team, do_out, lse_team, kv_init: PieceTransfer,
+                          *, causal, scale, window=None, tile_rows=None):
+    """Rotation "kv": the forward's sub-ring schedule with the team's query side fixed and
+    K, V circulating with their dK, dV accumulators; step 0 uses each piece of ``kv_init``
+    as it lands. ``q_team [C*n, b, h, dqk]``, ``do_out [C*n, b, h, 2 dv]`` (dO | out),
+    ``lse_team [C*n, b, h]``. Returns ``dq_team [C*n, b, h, dqk]`` and the reverse initial
+    send of ``dkv_init [C*n, b, hkv, dqk + dv]`` (accumulator dtype), started once the
+    accumulators are home. ``tile_rows`` bounds the rows of one kernel call."""
     topo, pos = groups.topology, groups.startrail_rank
     acc_dtype = blocks.acc_dtype(q_team.dtype)
     dqk, dv = q_team.shape[-1], do_out.shape[-1] // 2
@@ -230,28 +338,6 @@ def _sub_ring_backward(comm, groups, docs, kernel, transfer, rotation, q_team, d
     def grads(q, do_o, lse_rows, kv, q_segments, kv_segments, dq, dkv):
         blocks.backward_step(kernel, q, do_o[..., :dv], do_o[..., dv:], lse_rows, kv, q_segments, kv_segments, dq,
                              dkv, causal=causal, scale=scale, window=window, tile_rows=tile_rows)
-
-    if rotation == "q":
-        own_kv_segments = _team_segments(groups, docs, topo.kv_team_at_step(pos, 0))
-        dkv_init = kv_init.tensor.new_zeros(kv_init.tensor.shape, dtype=acc_dtype)
-        reverse = ReverseInitialSend(comm, topo, pos, dkv_init, kv_init.bounds)
-        q_rot = LaneSplit(lanes, rows, lambda origin: _team_segments(groups, docs, topo.team_of(origin)))
-        last_step = len(q_rot.lanes[0].order) - 1
-
-        def step_q(step, payloads, _rows):
-            dqs = [q.new_zeros(q.shape, dtype=acc_dtype) for q, _, _ in payloads]
-            for piece, (a, b) in enumerate(kv_init.bounds):  # K, V pieces, as they land at step 0
-                kv, kv_segments = kv_init.piece(piece), segment_rows(own_kv_segments, a, b)
-                for lane_index, (lane, (q, do_o, lse_rows), dq) in enumerate(zip(q_rot.lanes, payloads, dqs)):
-                    q_segments = q_rot.part_segments(lane.origin(pos, step), lane_index)
-                    grads(q, do_o, lse_rows, kv, q_segments, kv_segments, dq, dkv_init[a:b])
-                if step == last_step:
-                    reverse.send(piece)  # these rows of dK, dV are final
-            return [[dq] for dq in dqs]
-
-        home = rotate(comm, q_rot.lanes, pos, q_rot.split([q_team, do_out, lse_team]), step_q, op="sub_ring",
-                      accumulate=True)
-        return q_rot.join([lane_acc[0] for lane_acc in home]), reverse
 
     own_q_segments = _team_segments(groups, docs, topo.team_of(pos))
     dq_team = q_team.new_zeros(q_team.shape, dtype=acc_dtype)

@@ -170,6 +170,37 @@ class Communicator:
         self._count_collective(op, (group_size - 1) * _nbytes(out))
         return self._run(op, _reduce_scatter, out, out, x, group=group, wait=wait)
 
+    def broadcast(self, x: torch.Tensor, group, group_size: int, *, src: int, mine: bool, op: str,
+                  wait: bool = True):
+        """``x`` of group rank ``src`` to every rank of the group, in place (``mine``: this rank is
+        ``src``). Counted as a bandwidth-optimal broadcast: the source sends ``(n-1) N``, every
+        other rank receives ``N``; a round of ``n`` broadcasts, one from each rank, then counts
+        what one all-gather of ``N`` per rank does."""
+        if group_size == 1:
+            return self._done(x, wait)
+        if mine:
+            moved = (group_size - 1) * _nbytes(x)
+            self.stats.collective_bytes_sent += moved
+            self.stats.bytes_sent_by_op[op] += moved
+        else:
+            self.stats.collective_bytes_recv += _nbytes(x)
+        return self._run(op, dist.broadcast, x, x, group=group, wait=wait, group_src=src)
+
+    def reduce(self, x: torch.Tensor, group, group_size: int, *, dst: int, mine: bool, op: str):
+        """Sum of ``x`` over the group, into ``x`` of group rank ``dst`` (``mine``: this rank is
+        ``dst``; elsewhere ``x`` is left undefined). Counted as every other rank sending ``N``
+        and ``dst`` receiving ``(n-1) N``: a round of ``n`` reduces, one to each rank, counts
+        what one reduce-scatter to ``N`` per rank does."""
+        if group_size == 1:
+            return x
+        x = x.contiguous()
+        if mine:
+            self.stats.collective_bytes_recv += (group_size - 1) * _nbytes(x)
+        else:
+            self.stats.collective_bytes_sent += _nbytes(x)
+            self.stats.bytes_sent_by_op[op] += _nbytes(x)
+        return self._run(op, dist.reduce, x, x, group=group, wait=True, group_dst=dst)
+
     def all_to_all(self, x: torch.Tensor, group, group_size: int, *, op: str, wait: bool = True):
         """``[group_size, ...]``: slice ``i`` goes to rank ``i``; returns slices by source."""
         if group_size == 1:

@@ -61,26 +61,40 @@ def post_initial_send(comm: Communicator, topo: StarTrailTopology, pos: int, kv_
 
 class ReverseInitialSend:
     """dK, dV ``dkv_init [C*n, b, hkv, dqk + dv]`` back along the reverse of the initial
-    send, in the pieces of the forward: :meth:`send` posts piece ``j`` as soon as it is
-    final; :meth:`wait` posts whatever is left and returns this rank's team dK, dV."""
+    send, in the pieces of the forward (one team member's ``n`` rows each): :meth:`send`
+    posts piece ``j`` as soon as it is final; :meth:`piece` gives what landed of piece ``j``
+    here (the team's dK, dV of member ``j``'s rows, from this rank's sub-ring). Receive
+    buffers are made piece by piece, when posted: not the whole ``C*n`` rows at once."""
 
     def __init__(self, comm: Communicator, topo: StarTrailTopology, pos: int, dkv_init: torch.Tensor,
                  bounds: list[tuple[int, int]], *, op: str = "init_send_reverse") -> None:
         self._comm, self._op, self._dkv, self._bounds = comm, op, dkv_init, bounds
         self._dst, self._src = topo.init_send_dst(pos), topo.init_send_src(pos)
-        self._back = dkv_init if self._dst == pos else torch.empty_like(dkv_init)
-        self._posted: dict[int, PendingP2P] = {}
+        self._local = self._dst == pos  # the initial send mapped this rank to itself: nothing moves
+        self._posted: dict[int, tuple[PendingP2P, torch.Tensor]] = {}
 
     def send(self, j: int) -> None:
-        if j in self._posted or self._back is self._dkv:  # posted, or nothing to move
+        if j in self._posted or self._local:  # posted, or nothing to move
             return
         a, b = self._bounds[j]
-        self._posted[j] = self._comm.post([(self._dkv[a:b], self._src)], [(self._back[a:b], self._dst)],
-                                          op=self._op, channel="side", counts_as_step=not self._posted)
+        back = torch.empty_like(self._dkv[a:b])
+        pending = self._comm.post([(self._dkv[a:b], self._src)], [(back, self._dst)], op=self._op, channel="side",
+                                  counts_as_step=not self._posted)
+        self._posted[j] = (pending, back)
 
-    def wait(self) -> torch.Tensor:
-        for j in range(len(self._bounds)):
-            self.send(j)
-        for pending in self._posted.values():
-            pending.wait()
-        return self._back
+    def piece(self, j: int) -> torch.Tensor:
+        """Rows of piece ``j`` of this rank's team dK, dV, once here (every piece is posted
+        first: each peer posts them in the same order)."""
+        for i in range(len(self._bounds)):
+            self.send(i)
+        if self._local:
+            a, b = self._bounds[j]
+            return self._dkv[a:b]
+        pending, back = self._posted[j]
+        pending.wait()
+        return back
+
+    def release(self, j: int) -> None:
+        """Piece ``j`` is done with (its buffers may go)."""
+        if not self._local:
+            self._posted[j] = (self._posted[j][0], None)

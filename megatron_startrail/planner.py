@@ -208,9 +208,12 @@ def _schedule_layer(cluster: ClusterSpec, work: Workload, cp_size: int, team_siz
     if u > 1:  # Ulysses all-to-alls of q, k, v and the output, forward and backward
         uly = [[cp_rank(p, x) for x in range(u)] for p in positions]
         phases.append(cluster.collective_time(uly, 2 * (u - 1) / u * (eq + eo + ekv) * e, calls=8, ring=False))
-    if c > 1:  # team all-gather of q, k|v (again when the backward regathers); merge of out, lse
-        for _ in range(1 + regather_in_backward):
-            phases.append(cluster.collective_time(teams, (c - 1) * (eq + ekv) * e))
+    rotation = choose_backward_rotation(shape, u, c)
+    if c > 1:  # team all-gather of q, k|v (again when the backward regathers: k|v only with
+        # rotation "q", which broadcasts the queries member by member); merge of out, lse
+        phases.append(cluster.collective_time(teams, (c - 1) * (eq + ekv) * e))
+        if regather_in_backward:
+            phases.append(cluster.collective_time(teams, (c - 1) * (ekv + (eq if rotation == "kv" else 0)) * e))
         phases.append(cluster.collective_time(teams, (c - 1) * (eo * e + el * a), ring=False))
 
     def initial_send(nbytes: float) -> tuple[float, float]:
@@ -222,7 +225,6 @@ def _schedule_layer(cluster: ClusterSpec, work: Workload, cp_size: int, team_siz
     # Sub-ring steps: one lane per ring of the transfer (multi-ring: the sub-ring's
     # Hamiltonian cycles), each carrying its share of the step's bytes to its next rank.
     lanes = {p: sub_ring_lanes(topo, p, transfer) for p in positions}
-    rotation = choose_backward_rotation(shape, u, c)
     payload_bwd, accumulator_bwd = backward_p2p_parts(shape, u, c)[rotation]
     rings = {tuple(cp_rank(p, x) for p in lane.order) for p in positions for x in range(u) for lane in lanes[p]}
     once = g > 1 and cluster.latency_once_per_phase(rings)
@@ -248,7 +250,8 @@ def _schedule_layer(cluster: ClusterSpec, work: Workload, cp_size: int, team_siz
     # initial send while dQ is reduce-scattered in the team; then dK, dV are.
     reverse = initial_send(c * ekv * a)
     if c > 1:
-        phases.append(cluster.collective_time(teams, (c - 1) * (2 * eo * e + el * a)))
+        query_side = (2 * eo + (eq if rotation == "q" else 0)) * e + el * a  # [q,] dO, out, lse
+        phases.append(cluster.collective_time(teams, (c - 1) * query_side))
         dq = cluster.collective_time(teams, (c - 1) * eq * a)
         phases.append((max(reverse[0], dq[0]), reverse[1] + dq[1]))
         phases.append(cluster.collective_time(teams, (c - 1) * ekv * a))
@@ -265,6 +268,9 @@ def _schedule_layer(cluster: ClusterSpec, work: Workload, cp_size: int, team_siz
         total -= pipelined(init_fwd[0][0], compute_bwd / g)
     if rotation == "q":  # dK, dV go back piece by piece during the last step
         total -= pipelined(reverse[0], compute_bwd / g)
+        # Note [streamed rotation q]: C passes of the sub-ring, one member's rows each: the
+        # same bytes, C times the sequential rounds (each one latency more).
+        total += (c - 1) * (g if g > 1 else 0) * cluster.inter_latency_s
     # Each piece is its own message: the initial send, the reverse send, [the regathered
     # initial send], step 0's hop forward and, with rotation "kv", backward.
     cut_transfers = 2 + regather_in_backward + (g > 1) + (g > 1 and rotation == "kv")

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 # Phase of the schedule -> op names whose waits it covers (forward and backward).
 PHASES = {
-    "team gather": ("team_all_gather", "regather_team_all_gather"),
+    "team gather": ("team_all_gather", "regather_team_all_gather", "team_broadcast"),
     "initial send": ("init_send", "init_send_reverse", "regather_init_send"),
     "document check": ("document_check",),
     "ring wait": ("sub_ring", "sub_ring_grad"),
-    "merge": ("team_merge", "team_reduce_scatter"),
+    "merge": ("team_merge", "team_reduce_scatter", "team_reduce"),
     "ulysses": ("ulysses_all_to_all",),
     "halo": ("halo", "halo_grad"),  # a windowed layer's exchange (halo.py), instead of the above
 }

@@ -26,7 +26,7 @@ def test_the_model_bounds_the_measured_peak(measured):
 
 def test_regathering_keeps_what_ring_keeps_and_the_model_says_so(measured):
     kept = {row["config"]: row["kept_bytes"] for row in measured}
-    assert kept["startrail-2-regather"] == kept["ring"] < kept["startrail-2"]
+    assert kept["startrail-2-regather"] == kept["ring"] < kept["startrail-2 (rotation q)"] < kept["startrail-2"]
     shape = AttentionShape(1024 // 4, 1, 4, 4, 32, 4)
     model = {name: layer_memory_bytes(shape, cp_size=4, team_size=c, regather_in_backward=rg)["kept"]
              for name, c, rg in (("ring", 1, False), ("startrail-2", 2, False), ("startrail-2-regather", 2, True))}

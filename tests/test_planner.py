@@ -246,15 +246,17 @@ def test_memory_limit_leaves_out_configurations_or_makes_them_regather():
         layer = layer_memory_bytes(shape, cp_size=16, team_size=p.team_size, ulysses_size=p.ulysses_size,
                                    regather_in_backward=p.regather_in_backward)
         assert p.activation_bytes == 8 * kept and p.peak_bytes == 8 * kept + layer["peak"] - layer["kept"]
-    # Room for every configuration only if it regathers: all stay, the teams regathering.
+    # Below every team's peak without regathering: a team stays where regathering fits it.
     regathered = {key: predict(cluster, work, 16, p.team_size, p.ulysses_size, regather_in_backward=True)
                   for key, p in free.items() if p.team_size > 1}
-    limit = max(p.peak_bytes for p in regathered.values())
-    assert all(p.peak_bytes > limit for key, p in free.items() if key in regathered)  # without: over the limit
+    limit = min(p.peak_bytes for key, p in free.items() if key in regathered) - 1
     tight = plan(cluster, work, 16, transfers=("ring",), memory_limit_bytes=limit)
-    assert {(p.ulysses_size, p.name.replace("-regather", "")) for p in tight} == set(free)
+    expected = {key for key, p in regathered.items() if p.peak_bytes <= limit}
+    expected |= {key for key, p in free.items() if p.team_size == 1 and p.peak_bytes <= limit}
+    assert {(p.ulysses_size, p.name.replace("-regather", "")) for p in tight} == expected
     assert all(p.peak_bytes <= limit for p in tight)
     assert all(p.regather_in_backward for p in tight if p.team_size > 1)
+    assert any(p.team_size > 1 for p in tight)  # the limit is not one that only ring attention meets
     # Regathering costs time: the same configuration without it is faster when memory allows.
     loose = {(p.ulysses_size, p.team_size): p.time_s for p in free.values()}
     assert all(p.time_s > loose[p.ulysses_size, p.team_size] for p in tight if p.regather_in_backward)
