@@ -193,10 +193,13 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     config = config or core_transformer_config_from_args(args)
     mla = args.multi_latent_attention  # MLASelfAttention: core attention gets k_channels != v_channels
     if args.transformer_impl == "transformer_engine":
-        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm, multi_latent_attention=mla)
+        spec = get_gpt_layer_with_transformer_engine_spec(
+            num_experts=args.num_experts, moe_grouped_gemm=args.moe_grouped_gemm, qk_layernorm=args.qk_layernorm,
+            multi_latent_attention=mla)
     else:
-        spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization,
-                                        multi_latent_attention=mla)
+        spec = get_gpt_layer_local_spec(
+            num_experts=args.num_experts, moe_grouped_gemm=args.moe_grouped_gemm, qk_layernorm=args.qk_layernorm,
+            normalization=args.normalization, multi_latent_attention=mla)
     if args.context_parallel_algo != "megatron":
         # Every StarTrail flag reaches the model through this one call, shared with patches/
         # (the StarTrail groups are built on the first call, on every rank, in the same order).
