@@ -15,7 +15,8 @@ Stages, because one blocker is at import time:
   ``torch.cuda`` stream/synchronize/device/RNG helpers as no-ops, grad clipping without
   the CUDA-tensor assertion, ``megatron.training``'s CUDA checks and JIT warm-up off,
   the local spec's norm with ``--sequence-parallel`` (what Transformer Engine's norm does
-  on a GPU), the MoE all-to-all dispatcher's split sizes as host lists, and a
+  on a GPU), the MoE all-to-all dispatcher's split sizes as host lists, the final norm of
+  ``HybridModel``'s stack from torch (it is Transformer Engine's, whatever the spec), and a
   ``TorchFunctionMode`` that maps every ``device="cuda"`` / ``.cuda()`` /
   ``pin_memory=True`` to the CPU, which covers the hard-coded CUDA allocations in one
   place.
@@ -218,6 +219,16 @@ def _patch_moe_split_sizes() -> None:
     token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
 
+def _patch_hybrid_final_norm() -> None:
+    """``HybridStack`` (``HybridModel``'s decoder) builds its final norm as Transformer Engine's
+    ``TENorm`` whatever its spec says; without TE that raises. On the CPU it is the local spec's
+    norm (torch's LayerNorm / RMSNorm, with the same constructor arguments)."""
+    from megatron.core.models.hybrid import hybrid_block  # noqa: PLC0415
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm  # noqa: PLC0415
+
+    hybrid_block.TENorm = WrappedTorchNorm
+
+
 def _patch_megatron_training() -> None:
     """``megatron.training`` (``parse_args``, ``pretrain``) on the CPU; absent before 0.17."""
     try:
@@ -250,6 +261,7 @@ def apply() -> None:
     _patch_grad_clipping()
     _patch_norm_for_sequence_parallel()
     _patch_moe_split_sizes()
+    _patch_hybrid_final_norm()
     torch.cuda.current_device = lambda: 0
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_stream = lambda *a, **k: _NoStream()
