@@ -1,7 +1,8 @@
 """Parsed Megatron flags -> the StarTrail layer spec: the one place every StarTrail flag that
 changes the model is read.
 
-Both programs that train with StarTrail call :func:`startrail_spec_from_args`:
+Both programs that train with StarTrail call :func:`startrail_spec_from_args` (or, for a
+``HybridModel``, :func:`startrail_hybrid_spec_from_args`):
 ``examples/pretrain_gpt.py`` (its ``model_provider``) and Megatron-LM's own
 ``pretrain_gpt.py`` with ``patches/`` applied (its ``GPTModelConfig.transformer_layer_spec``).
 So a flag added to ``arguments.py`` reaches the core attention of both once it is read
@@ -28,6 +29,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from ..groups import StarTrailGroups
+from .hybrid_specs import check_startrail_hybrid_pattern, to_startrail_hybrid_spec
 from .layer_specs import to_startrail_spec
 from .parallel_state import initialize_startrail
 
@@ -81,3 +83,15 @@ def startrail_spec_from_args(spec, args):
     by every StarTrail flag in ``args`` (see the module docstring for the list)."""
     return to_startrail_spec(spec, startrail_groups_from_args(args), transfer=args.startrail_transfer,
                              regather_in_backward=args.startrail_regather_in_backward)
+
+
+def startrail_hybrid_spec_from_args(stack_spec, args):
+    """The same for a ``HybridModel``'s stack spec (``--hybrid-layer-pattern``): a copy whose
+    attention layers have StarTrail core attention (``hybrid_specs``), after refusing what the
+    pattern asks that StarTrail cannot do (an error naming the flag, on every rank)."""
+    check_startrail_hybrid_pattern(
+        args.hybrid_layer_pattern,
+        packed_sample_layout=args.dataloader_inter_document_masking and not getattr(args, "sft", False),
+    )
+    return to_startrail_hybrid_spec(stack_spec, startrail_groups_from_args(args), transfer=args.startrail_transfer,
+                                    regather_in_backward=args.startrail_regather_in_backward)
