@@ -1,6 +1,7 @@
 """megatron-core's HybridModel with StarTrail: the stack spec's attention layers, and only
 they, get StarTrail core attention; a tiny attention/MLP HybridModel at TP2 x CP4 (team
-size 2) trains with the losses and gradients of the same model at CP1.
+size 2) trains with the losses and gradients of the same model at CP1,.
+The same through examples/pretrain_gpt.py: test_hybrid_example.py.
 
 The pattern "*-*-" is attention, MLP, attention, MLP (Mamba layers need GPU kernels). Weights
 come from the same CPU seeds in both worlds (asserted); losses are summed over tokens and
@@ -41,7 +42,7 @@ from megatron_startrail.megatron.hybrid_specs import (  # noqa: E402
     to_startrail_hybrid_spec,
 )
 from megatron_startrail.megatron.packed_rope import PackedRopeSelfAttention  # noqa: E402
-from tests.multiproc import run_ranks
+from tests.multiproc import run_ranks  # noqa: E402
 
 PATTERN = "*-*-"
 STEPS, LR = 4, 1e-2
@@ -185,3 +186,4 @@ def test_startrail_hybrid_tp2_cp4_matches_cp1():
             err = (g[name] - rg[name]).abs().max().item() / max(rg[name].abs().max().item(), 1e-12)
             assert err < 1e-4, f"TP rank {tp_rank} {name}: relative grad error {err:.2e}"
         assert losses == pytest.approx(rlosses, rel=1e-5), f"losses {losses} vs CP=1 {rlosses}"
+
