@@ -155,7 +155,7 @@ def validate_example_args(args) -> None:
         )
     if args.sft:
         raise ValueError("--sft is not supported by this example; use Megatron-LM's pretrain_gpt.py (patches/)")
-    if args.hybrid_layer_pattern is not None:
+    if getattr(args, "hybrid_layer_pattern", None) is not None:  # megatron.training's flag
         validate_hybrid_args(args)
 
 
