@@ -1,7 +1,7 @@
 """examples/pretrain_gpt.py --hybrid-layer-pattern: megatron-core's HybridModel trained by
 megatron.training's pretrain (DDP, Adam, Megatron's data) with StarTrail CP4 (team size 2)
-x TP2 logs the losses of CP1, with and without packed documents; patterns it cannot run are
-refused at start-up with an error naming the flag."""
+x TP2 logs the losses of CP1, with attention and MLP or MoE (EP2) layers and with packed
+documents; patterns it cannot run are refused at start-up with an error naming the flag."""
 
 import argparse
 
@@ -17,15 +17,23 @@ EXAMPLE_STARTRAIL_CP4 = ["--context-parallel-size", "4", "--context-parallel-alg
                          "--startrail-team-size", "2"]
 
 
-def test_example_trains_a_hybrid_model_with_startrail_tp2_cp4_as_at_cp1():
-    startrail = example_losses(8, *EXAMPLE_HYBRID, *EXAMPLE_STARTRAIL_CP4)
-    reference = example_losses(2, *EXAMPLE_HYBRID)
+# MoE layers ('E') with 4 experts, top-2, expert parallel 2 over the TP pair (ETP1; TP > 1 needs
+# --sequence-parallel with MoE, and no linear biases: see test_moe_startrail.py).
+HYBRID_MOE = ["--hybrid-layer-pattern", "*E*E", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+              "--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2", "--moe-aux-loss-coeff", "1e-2",
+              "--expert-tensor-parallel-size", "1", "--disable-bias-linear", "--moe-token-dispatcher-type", "alltoall"]
+
+
+@pytest.mark.parametrize("flags", [EXAMPLE_HYBRID, HYBRID_MOE], ids=["attention_mlp", "attention_moe_EP2"])
+def test_example_trains_a_hybrid_model_with_startrail_tp2_cp4_as_at_cp1(flags):
+    startrail = example_losses(8, *flags, *EXAMPLE_STARTRAIL_CP4)
+    reference = example_losses(2, *flags)
     for got, want in zip(startrail, reference):
         assert abs(got - want) <= 1e-5 * want, (startrail, reference)
     assert reference[-1] < reference[0]  # it learns
-    # The pattern reaches the model: the GPT of the same flags (2 attention+MLP layers) differs.
-    gpt = example_losses(2, "--tensor-model-parallel-size", "2")
-    assert reference != pytest.approx(gpt, rel=1e-5), (reference, gpt)
+    if flags is EXAMPLE_HYBRID:  # the pattern reaches the model: the GPT of the same flags differs
+        gpt = example_losses(2, "--tensor-model-parallel-size", "2")
+        assert reference != pytest.approx(gpt, rel=1e-5), (reference, gpt)
 
 
 def test_example_hybrid_packed_documents_with_startrail_log_the_losses_of_the_dense_document_mask(tmp_path):
