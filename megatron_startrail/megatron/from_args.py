@@ -1,9 +1,9 @@
 """Parsed Megatron flags -> the StarTrail layer spec: the one place every StarTrail flag that
 changes the model is read.
 
-Both programs that train with StarTrail call :func:`startrail_spec_from_args` (or, for a
-``HybridModel``, :func:`startrail_hybrid_spec_from_args`):
-``examples/pretrain_gpt.py`` (its ``model_provider``) and Megatron-LM's own
+Both programs that train with StarTrail call :func:`startrail_spec_from_args`:
+``examples/pretrain_gpt.py`` (its ``model_provider``; for a ``HybridModel``,
+``--hybrid-layer-pattern``, :func:`startrail_hybrid_spec_from_args`) and Megatron-LM's own
 ``pretrain_gpt.py`` with ``patches/`` applied (its ``GPTModelConfig.transformer_layer_spec``).
 So a flag added to ``arguments.py`` reaches the core attention of both once it is read
 here, and neither caller can forget one (the patch once silently dropped
