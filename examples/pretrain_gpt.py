@@ -102,7 +102,10 @@ from megatron_startrail.megatron.from_args import (  # noqa: E402
     startrail_hybrid_spec_from_args,
     startrail_spec_from_args,
 )
-from megatron_startrail.megatron.hybrid_specs import check_startrail_hybrid_pattern, hybrid_local_stack_spec  # noqa: E402
+from megatron_startrail.megatron.hybrid_specs import (  # noqa: E402
+    check_startrail_hybrid_pattern,
+    hybrid_local_stack_spec,
+)
 from megatron_startrail.megatron.layer_specs import with_core_attention  # noqa: E402
 from megatron_startrail.megatron.training_log import log_tokens_per_second  # noqa: E402
 

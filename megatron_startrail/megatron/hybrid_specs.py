@@ -114,8 +114,8 @@ def to_startrail_hybrid_spec(stack_spec: ModuleSpec, groups: StarTrailGroups, tr
         if isinstance(layer, ModuleSpec) and getattr(layer.submodules, "self_attention", None) is not None:
             setattr(submodules, slot, to_startrail_spec(layer, groups, transfer, regather_in_backward))
     submodules.dsa_layer = _unavailable(
-        "--hybrid-layer-pattern has DeepSeek sparse attention layers ('D'), which "
-        "--context-parallel-algo startrail does not implement: use '*' or '+' layers, or --context-parallel-algo megatron"
+        "--hybrid-layer-pattern has DeepSeek sparse attention layers ('D'), which --context-parallel-algo "
+        "startrail does not implement: use '*' or '+' layers, or --context-parallel-algo megatron"
     )
     spec = copy.copy(stack_spec)
     spec.submodules = submodules

@@ -20,8 +20,9 @@ EXAMPLE_STARTRAIL_CP4 = ["--context-parallel-size", "4", "--context-parallel-alg
 # MoE layers ('E') with 4 experts, top-2, expert parallel 2 over the TP pair (ETP1; TP > 1 needs
 # --sequence-parallel with MoE, and no linear biases: see test_moe_startrail.py).
 HYBRID_MOE = ["--hybrid-layer-pattern", "*E*E", "--tensor-model-parallel-size", "2", "--sequence-parallel",
-              "--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2", "--moe-aux-loss-coeff", "1e-2",
-              "--expert-tensor-parallel-size", "1", "--disable-bias-linear", "--moe-token-dispatcher-type", "alltoall"]
+              "--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
+              "--moe-aux-loss-coeff", "1e-2", "--expert-tensor-parallel-size", "1", "--disable-bias-linear",
+              "--moe-token-dispatcher-type", "alltoall"]
 
 
 @pytest.mark.parametrize("flags", [EXAMPLE_HYBRID, HYBRID_MOE], ids=["attention_mlp", "attention_moe_EP2"])
