@@ -1,4 +1,4 @@
-"""Pretrain a small GPT with Megatron and StarTrail context parallelism.
+"""Pretrain a small GPT (or a HybridModel) with Megatron and StarTrail context parallelism.
 
     torchrun --nproc-per-node 8 examples/pretrain_gpt.py \
         --tensor-model-parallel-size 2 --context-parallel-size 4 \
@@ -20,6 +20,13 @@ unpadded V, ``megatron_startrail.megatron.packed_mla``).
 Runs on GPUs (nccl, Transformer Engine spec when ``--transformer-impl
 transformer_engine``) and on CPU-only machines (gloo, local spec, with
 ``megatron_startrail.megatron.cpu_patches``).
+
+``--hybrid-layer-pattern`` (megatron.training's flag, "the sole indicator that a hybrid model
+is being run") builds megatron-core's ``HybridModel`` instead of ``GPTModel``: one layer per
+symbol, e.g. ``"*-*-"`` (attention, MLP, attention, MLP); with StarTrail its attention layers
+get StarTrail core attention (``startrail_hybrid_spec_from_args``). Megatron's Transformer
+Engine hybrid stack with ``--transformer-impl transformer_engine``; on the CPU the local one,
+which has attention ('*'), MLP ('-') and MoE ('E') layers only (Mamba needs GPU kernels).
 
 Data: Megatron's own pipeline, as in Megatron-LM's ``pretrain_gpt.py``:
 ``BlendedMegatronDatasetBuilder`` over ``GPTDataset`` (``--data-path``, ``--split``) or
@@ -70,6 +77,8 @@ from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: E402
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
+from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec  # noqa: E402
+from megatron.core.models.hybrid.hybrid_model import HybridModel  # noqa: E402
 from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
 from megatron.core.utils import (  # noqa: E402
@@ -89,7 +98,15 @@ from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_l
 
 from megatron_startrail.megatron.arguments import add_startrail_args, validate_startrail_args  # noqa: E402
 from megatron_startrail.megatron.core_attention import LocalMLACoreAttention  # noqa: E402
-from megatron_startrail.megatron.from_args import megatron_rank_order, startrail_spec_from_args  # noqa: E402
+from megatron_startrail.megatron.from_args import (  # noqa: E402
+    megatron_rank_order,
+    startrail_hybrid_spec_from_args,
+    startrail_spec_from_args,
+)
+from megatron_startrail.megatron.hybrid_specs import (  # noqa: E402
+    check_startrail_hybrid_pattern,
+    hybrid_local_stack_spec,
+)
 from megatron_startrail.megatron.layer_specs import with_core_attention  # noqa: E402
 from megatron_startrail.megatron.training_log import log_tokens_per_second  # noqa: E402
 
@@ -150,6 +167,26 @@ def validate_example_args(args) -> None:
         )
     if args.sft:
         raise ValueError("--sft is not supported by this example; use Megatron-LM's pretrain_gpt.py (patches/)")
+    if getattr(args, "hybrid_layer_pattern", None) is not None:  # megatron.training's flag
+        validate_hybrid_args(args)
+
+
+# HybridModel layers the local stack spec (hybrid_local_stack_spec) builds, and the pipeline
+# separator; Mamba, GDN, MLA and DSA layers exist only as Transformer Engine modules.
+LOCAL_HYBRID_SYMBOLS = set("*-E|")
+
+
+def validate_hybrid_args(args) -> None:
+    """--hybrid-layer-pattern: what the local stack and StarTrail cannot build, before any group exists."""
+    pattern = args.hybrid_layer_pattern
+    if args.transformer_impl != "transformer_engine" and not set(pattern) <= LOCAL_HYBRID_SYMBOLS:
+        raise ValueError(
+            f"--hybrid-layer-pattern {pattern!r}: without Transformer Engine (--transformer-impl local, the CPU) "
+            "a hybrid model has attention ('*'), MLP ('-') and MoE ('E') layers only; Mamba ('M'), GDN ('G'), "
+            "MLA ('+'), DSA ('D') and MTP ('/') need --transformer-impl transformer_engine on a GPU"
+        )
+    if args.context_parallel_algo != "megatron":
+        check_startrail_hybrid_pattern(pattern, packed_sample_layout=args.dataloader_inter_document_masking)
 
 
 def parse_arguments():
@@ -197,15 +234,21 @@ def initialize_parallel(args) -> None:
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
-    """GPTModel with Megatron's layer spec, its core attention swapped for StarTrail's."""
+    """GPTModel with Megatron's layer spec, its core attention swapped for StarTrail's
+    (a HybridModel with --hybrid-layer-pattern)."""
     args = get_args()
     config = config or core_transformer_config_from_args(args)
+    if args.hybrid_layer_pattern is not None:
+        return hybrid_model_provider(args, config, pre_process, post_process, vp_stage, pg_collection)
     mla = args.multi_latent_attention  # MLASelfAttention: core attention gets k_channels != v_channels
     if args.transformer_impl == "transformer_engine":
-        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm, multi_latent_attention=mla)
+        spec = get_gpt_layer_with_transformer_engine_spec(
+            num_experts=args.num_experts, moe_grouped_gemm=args.moe_grouped_gemm, qk_layernorm=args.qk_layernorm,
+            multi_latent_attention=mla)
     else:
-        spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization,
-                                        multi_latent_attention=mla)
+        spec = get_gpt_layer_local_spec(
+            num_experts=args.num_experts, moe_grouped_gemm=args.moe_grouped_gemm, qk_layernorm=args.qk_layernorm,
+            normalization=args.normalization, multi_latent_attention=mla)
     if args.context_parallel_algo != "megatron":
         # Every StarTrail flag reaches the model through this one call, shared with patches/
         # (the StarTrail groups are built on the first call, on every rank, in the same order).
@@ -216,6 +259,25 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings, pre_process=pre_process, post_process=post_process,
         fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base, pg_collection=pg_collection, vp_stage=vp_stage,
+    )
+
+
+def hybrid_model_provider(args, config, pre_process, post_process, vp_stage, pg_collection):
+    """megatron-core's HybridModel for --hybrid-layer-pattern, its attention layers StarTrail's."""
+    if args.transformer_impl == "transformer_engine":
+        stack = hybrid_stack_spec  # Megatron's own (what megatron.training's HybridModelBuilder uses)
+    else:
+        stack = hybrid_local_stack_spec(normalization=args.normalization, qk_layernorm=args.qk_layernorm,
+                                        num_experts=args.num_experts, moe_grouped_gemm=args.moe_grouped_gemm)
+    if args.context_parallel_algo != "megatron":
+        stack = startrail_hybrid_spec_from_args(stack, args)
+    return HybridModel(
+        config=config, hybrid_stack_spec=stack, vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings, hybrid_layer_pattern=args.hybrid_layer_pattern,
+        pre_process=pre_process, post_process=post_process, fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base, pg_collection=pg_collection, vp_stage=vp_stage,

@@ -14,7 +14,10 @@ Stages, because one blocker is at import time:
 - :func:`apply` (after import): the model-parallel RNG tracker on CPU generator states,
   ``torch.cuda`` stream/synchronize/device/RNG helpers as no-ops, grad clipping without
   the CUDA-tensor assertion, ``megatron.training``'s CUDA checks and JIT warm-up off,
-  and a ``TorchFunctionMode`` that maps every ``device="cuda"`` / ``.cuda()`` /
+  the local spec's norm with ``--sequence-parallel`` (what Transformer Engine's norm does
+  on a GPU), the MoE all-to-all dispatcher's split sizes as host lists, the final norm of
+  ``HybridModel``'s stack from torch (it is Transformer Engine's, whatever the spec), and a
+  ``TorchFunctionMode`` that maps every ``device="cuda"`` / ``.cuda()`` /
   ``pin_memory=True`` to the CPU, which covers the hard-coded CUDA allocations in one
   place.
 - :func:`adapt_args` / :func:`adapt_config`: the fused CUDA kernels off in Megatron's
@@ -169,6 +172,63 @@ def _patch_grad_clipping() -> None:
     moptimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
 
 
+def _patch_norm_for_sequence_parallel() -> None:
+    """The local spec's norm (``WrappedTorchNorm``: torch's LayerNorm / RMSNorm) asserts
+    ``--sequence-parallel`` off; on a GPU Transformer Engine's norm takes it. MoE with tensor
+    parallelism needs it (``MoELayer`` refuses to train TP > 1 without it).
+
+    A norm acts on each token alone, so under sequence parallelism ([s/TP, b, h] per TP
+    rank) it is the same module; only its weight gradient is a partial sum over this TP
+    rank's tokens. Marking the parameters ``sequence_parallel`` (what apex's and TE's
+    norms do) makes Megatron's ``finalize_model_grads`` sum them over the TP group."""
+    from megatron.core.transformer import torch_norm  # noqa: PLC0415
+
+    original = torch_norm.WrappedTorchNorm.__new__
+
+    def __new__(cls, config, hidden_size, eps=1e-5, *args, **kwargs):
+        if not config.sequence_parallel:
+            return original(cls, config, hidden_size, eps, *args, **kwargs)
+        if config.normalization not in ("LayerNorm", "RMSNorm") or config.layernorm_zero_centered_gamma:
+            raise ValueError(
+                f"--sequence-parallel on the CPU takes --normalization LayerNorm or RMSNorm without "
+                f"--apply-layernorm-1p (got {config.normalization})"
+            )
+        norm_cls = torch.nn.LayerNorm if config.normalization == "LayerNorm" else torch.nn.RMSNorm
+        norm = norm_cls(hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = staticmethod(__new__)
+
+
+def _patch_moe_split_sizes() -> None:
+    """The all-to-all token dispatcher (``--moe-token-dispatcher-type alltoall``) moves its
+    split sizes to the host with ``maybe_move_tensor_to_cpu(..., as_numpy=True)``, which
+    converts CUDA tensors only; on the CPU they would stay tensors, which
+    ``all_to_all_single`` does not take as split sizes. Convert CPU tensors the same way."""
+    from megatron.core.transformer.moe import token_dispatcher  # noqa: PLC0415
+
+    original = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
+def _patch_hybrid_final_norm() -> None:
+    """``HybridStack`` (``HybridModel``'s decoder) builds its final norm as Transformer Engine's
+    ``TENorm`` whatever its spec says; without TE that raises. On the CPU it is the local spec's
+    norm (torch's LayerNorm / RMSNorm, with the same constructor arguments)."""
+    from megatron.core.models.hybrid import hybrid_block  # noqa: PLC0415
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm  # noqa: PLC0415
+
+    hybrid_block.TENorm = WrappedTorchNorm
+
+
 def _patch_megatron_training() -> None:
     """``megatron.training`` (``parse_args``, ``pretrain``) on the CPU; absent before 0.17."""
     try:
@@ -199,6 +259,9 @@ def apply() -> None:
     install_import_shims()
     _patch_rng_tracker()
     _patch_grad_clipping()
+    _patch_norm_for_sequence_parallel()
+    _patch_moe_split_sizes()
+    _patch_hybrid_final_norm()
     torch.cuda.current_device = lambda: 0
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_stream = lambda *a, **k: _NoStream()

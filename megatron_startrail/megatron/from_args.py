@@ -2,7 +2,8 @@
 changes the model is read.
 
 Both programs that train with StarTrail call :func:`startrail_spec_from_args`:
-``examples/pretrain_gpt.py`` (its ``model_provider``) and Megatron-LM's own
+``examples/pretrain_gpt.py`` (its ``model_provider``; for a ``HybridModel``,
+``--hybrid-layer-pattern``, :func:`startrail_hybrid_spec_from_args`) and Megatron-LM's own
 ``pretrain_gpt.py`` with ``patches/`` applied (its ``GPTModelConfig.transformer_layer_spec``).
 So a flag added to ``arguments.py`` reaches the core attention of both once it is read
 here, and neither caller can forget one (the patch once silently dropped
@@ -28,6 +29,7 @@ from megatron.core import parallel_state
 
 from ..config import StarTrailConfig
 from ..groups import StarTrailGroups
+from .hybrid_specs import check_startrail_hybrid_pattern, to_startrail_hybrid_spec
 from .layer_specs import to_startrail_spec
 from .parallel_state import initialize_startrail
 
@@ -90,3 +92,14 @@ def startrail_spec_from_args(spec, args):
     """A copy of Megatron's layer or block ``spec`` with StarTrail core attention configured
     by every StarTrail flag in ``args`` (see the module docstring for the list)."""
     return to_startrail_spec(spec, startrail_groups_from_args(args))
+
+
+def startrail_hybrid_spec_from_args(stack_spec, args):
+    """The same for a ``HybridModel``'s stack spec (``--hybrid-layer-pattern``): a copy whose
+    attention layers have StarTrail core attention (``hybrid_specs``), after refusing what the
+    pattern asks that StarTrail cannot do (an error naming the flag, on every rank)."""
+    check_startrail_hybrid_pattern(
+        args.hybrid_layer_pattern,
+        packed_sample_layout=args.dataloader_inter_document_masking and not getattr(args, "sft", False),
+    )
+    return to_startrail_hybrid_spec(stack_spec, startrail_groups_from_args(args))

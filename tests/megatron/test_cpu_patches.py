@@ -69,3 +69,33 @@ def test_patched_process_has_a_working_model_parallel_rng():
     default_stream = torch.Generator()
     default_stream.set_state(default_before)
     assert torch.equal(outside, torch.rand(4, generator=default_stream))
+
+
+def moe_and_sequence_parallel_worker(rank, world_size):
+    from megatron.core.transformer.moe import token_dispatcher
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cpu_patches.apply()
+    norms = {}
+    for sequence_parallel in (False, True):
+        config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, use_cpu_initialization=True,
+                                   tensor_model_parallel_size=2,  # what SP needs; no group is used
+                                   sequence_parallel=sequence_parallel, normalization="RMSNorm")
+        norm = WrappedTorchNorm(config, 8, eps=1e-6)
+        x = torch.randn(3, 2, 8, generator=torch.Generator().manual_seed(0))
+        norms[sequence_parallel] = (type(norm).__name__, norm.eps,
+                                    [getattr(p, "sequence_parallel", False) for p in norm.parameters()], norm(x))
+    splits = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3, 5]), as_numpy=True)
+    return norms, type(splits).__name__, list(splits)
+
+
+def test_sequence_parallel_norm_and_moe_split_sizes_on_the_cpu():
+    """--sequence-parallel: the same torch norm, its weight marked for the TP-group gradient sum
+    (finalize_model_grads); the all-to-all dispatcher's split sizes become host arrays."""
+    ((norms, splits_type, splits),) = run_ranks(moe_and_sequence_parallel_worker, 1, timeout=60)
+    plain, sp = norms[False], norms[True]
+    assert plain[:2] == sp[:2] == ("RMSNorm", 1e-6)
+    assert plain[2] == [False] and sp[2] == [True]
+    assert torch.equal(plain[3], sp[3])
+    assert splits_type == "ndarray" and splits == [3, 5]
