@@ -149,8 +149,9 @@ def validate_example_args(args) -> None:
             "Megatron's own context parallelism needs --transformer-impl transformer_engine (a GPU); "
             "use --context-parallel-algo startrail with the local implementation"
         )
-    mla_local = args.multi_latent_attention and args.transformer_impl == "local"  # LocalMLACoreAttention at CP 1
-    if mla_local and args.context_parallel_algo == "megatron" and args.reset_attention_mask:
+    # LocalMLACoreAttention at CP 1 (callers may pass namespaces without the MLA flags)
+    mla_local = getattr(args, "multi_latent_attention", False) and args.transformer_impl == "local"
+    if mla_local and args.context_parallel_algo == "megatron" and getattr(args, "reset_attention_mask", False):
         # LocalMLACoreAttention is causal over the sequence (it reads no mask tensor), and MLA
         # rotates by sequence position, not by --reset-position-ids: the dense mask cannot work.
         raise ValueError(
