@@ -11,7 +11,9 @@ method of the peer table (``cluster_bench.py``):
   not counted; what the layer keeps for its backward is);
 - ``kept for bwd``: the bytes of the tensors saved for the backward (q, k, v excluded).
 
-Both are the maximum over ranks. ``model`` is the closed form of
+Both are the maximum over ranks; the peak is the median of ``--repeats`` runs (default 3:
+which transfers complete together differs from run to run on gloo, and so does the peak;
+the table gives the range too). ``model`` is the closed form of
 :mod:`megatron_startrail.memory_model` (the attention's own buffers; the CPU kernel's
 workspace is not in it). Configurations: ring attention (team size 1) and StarTrail with
 team size C, with and without ``regather_in_backward``, with the backward rotation ``auto``
@@ -75,7 +77,20 @@ def name(team_size: int, regather: bool, rotation: str) -> str:
     return core if rotation == "auto" else f"{core} (rotation {rotation})"
 
 
-def run(world_sizes: list[int], team_sizes: list[int], seq: int, heads: int, dim: int, timeout: float) -> list[dict]:
+def run(world_sizes: list[int], team_sizes: list[int], seq: int, heads: int, dim: int, timeout: float,
+        repeats: int = 1) -> list[dict]:
+    """Rows of the table; with ``repeats``, each configuration's peak is the median of that
+    many runs (which transfers complete together varies on gloo, and so does the peak)."""
+    runs = [_run_once(world_sizes, team_sizes, seq, heads, dim, timeout) for _ in range(repeats)]
+    rows = runs[0]
+    for index, row in enumerate(rows):
+        peaks = sorted(run[index]["peak_live_bytes"] for run in runs)
+        row["peak_live_bytes_runs"] = peaks
+        row["peak_live_bytes"] = peaks[len(peaks) // 2]
+    return rows
+
+
+def _run_once(world_sizes, team_sizes, seq, heads, dim, timeout) -> list[dict]:
     from tests.multiproc import run_ranks  # noqa: PLC0415 - forked gloo ranks, as in the tests
 
     rows = []
@@ -101,15 +116,18 @@ def run(world_sizes: list[int], team_sizes: list[int], seq: int, heads: int, dim
 def table(rows: list[dict], before: dict | None = None) -> str:
     """Markdown: per world size, each configuration's peak against ring attention's."""
     ring = {r["world_size"]: r["peak_live_bytes"] for r in rows if r["team_size"] == 1}
-    head = "| P | configuration | peak live MiB/rank | peak / ring | model peak MiB | kept for bwd MiB/rank |"
-    rule = "|---|---|---|---|---|---|"
+    head = ("| P | configuration | peak live MiB/rank | peak / ring | runs: min-max / ring | model peak MiB "
+            "| kept for bwd MiB/rank |")
+    rule = "|---|---|---|---|---|---|---|"
     if before:
         head += " before: peak live MiB | before: peak / ring |"
         rule += "---|---|"
     lines = [head, rule]
     for r in rows:
+        runs = r.get("peak_live_bytes_runs", [r["peak_live_bytes"]])
+        spread = f"{runs[0] / ring[r['world_size']]:.2f}-{runs[-1] / ring[r['world_size']]:.2f}x"
         line = (f"| {r['world_size']} | {r['config']} | {r['peak_live_bytes'] / MiB:.2f} | "
-                f"{r['peak_live_bytes'] / ring[r['world_size']]:.2f}x | {r['model_peak_bytes'] / MiB:.2f} | "
+                f"{r['peak_live_bytes'] / ring[r['world_size']]:.2f}x | {spread} | {r['model_peak_bytes'] / MiB:.2f} | "
                 f"{r['kept_bytes'] / MiB:.2f} |")
         if before:
             old = before.get((r["world_size"], r["config"]))
@@ -127,6 +145,7 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=32)
     parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--repeats", type=int, default=3, help="runs per configuration; the table gives the median")
     parser.add_argument("--before", metavar="JSON", help="a run of an earlier commit, for before/after columns")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                       "peak_memory"))
@@ -137,7 +156,8 @@ def main(argv=None) -> int:
             rows = json.load(f)["rows"]
     else:
         start = time.perf_counter()
-        rows = run(args.world_sizes, args.team_sizes, args.seq_length, args.heads, args.head_dim, args.timeout)
+        rows = run(args.world_sizes, args.team_sizes, args.seq_length, args.heads, args.head_dim, args.timeout,
+                   args.repeats)
         print(f"[peak_memory] {time.perf_counter() - start:.0f} s")
     before = None
     if args.before:

@@ -215,27 +215,43 @@ def _backward_q(ctx, dout):
         q, kv_team, out, lse = ctx.saved_tensors
         kv_init = PieceTransfer.local(kv_team, groups.team_size)
     dtype, dqk = q.dtype, q.shape[-1]
-    dq, dkv_back = _sub_ring_backward_q(comm, groups, ctx.docs, ctx.kernel, ctx.transfer, q, dout, out, lse,
-                                        kv_init, causal=ctx.causal, scale=ctx.scale, window=ctx.window)
+    dq, dkv = _sub_ring_backward_q(comm, groups, ctx.docs, ctx.kernel, ctx.transfer, q, dout, out, lse,
+                                   kv_init, causal=ctx.causal, scale=ctx.scale, window=ctx.window)
     del kv_init
-    dkv = _reduce_reverse_pieces(comm, groups, dkv_back)
     dk, dv = dkv[..., :dqk].to(dtype), dkv[..., dqk:].to(dtype)
     return (dq.to(dtype), dk, dv) + (None,) * 11
 
 
-def _reduce_reverse_pieces(comm, groups, reverse: ReverseInitialSend) -> torch.Tensor:
+class _ReverseReduce:
     """This rank's ``dkv [n, b, hkv, dqk + dv]``: piece ``j`` of what the reverse initial send
-    brought (member ``j``'s rows, from this rank's sub-ring), summed over the team into
-    member ``j`` -- a reduce-scatter done piece by piece, so that the team's dK, dV are never
-    all here at once."""
-    c, member = groups.team_size, groups.topology.member_of(groups.startrail_rank)
-    mine = None
-    for j in range(c):
-        piece = comm.reduce(reverse.piece(j), groups.team_group, c, dst=j, mine=member == j, op="team_reduce")
-        if member == j:
-            mine = piece
-        reverse.release(j)
-    return mine
+    brings (member ``j``'s rows, from this rank's sub-ring), summed over the team into member
+    ``j`` -- a reduce-scatter done piece by piece (:meth:`through`, in piece order on every
+    member), so that the team's dK, dV never land here all at once."""
+
+    def __init__(self, comm, groups, reverse: ReverseInitialSend) -> None:
+        self._comm, self._groups, self._reverse = comm, groups, reverse
+        self._member = groups.topology.member_of(groups.startrail_rank)
+        self._next, self.mine = 0, None
+
+    def through(self, last: int) -> None:
+        """Reduce pieces up to ``last`` (those before are done)."""
+        c = self._groups.team_size
+        while self._next <= last:
+            j = self._next
+            piece = self._comm.reduce(self._reverse.piece(j), self._groups.team_group, c, dst=j,
+                                      mine=self._member == j, op="team_reduce")
+            if self._member == j:
+                self.mine = piece
+            del piece
+            self._reverse.release(j)
+            self._next += 1
+
+
+def _reduce_reverse_pieces(comm, groups, reverse: ReverseInitialSend) -> torch.Tensor:
+    """All of :class:`_ReverseReduce` at once: this rank's dK, dV rows."""
+    reducer = _ReverseReduce(comm, groups, reverse)
+    reducer.through(groups.team_size - 1)
+    return reducer.mine
 
 
 # Note [streamed rotation q]
@@ -263,7 +279,8 @@ def _sub_ring_backward_q(comm, groups, docs, kernel, transfer, q, dout, out, lse
                          causal, scale, window=None):
     """Note [streamed rotation q]. ``q [n, b, h, dqk]``, ``dout``, ``out [n, b, h, dv]``,
     ``lse [n, b, h]`` of this rank. Returns this rank's ``dq [n, b, h, dqk]`` (accumulator
-    dtype) and the reverse initial send of ``dkv_init [C*n, b, hkv, dqk + dv]``, started."""
+    dtype) and ``dkv [n, b, hkv, dqk + dv]``, this rank's rows of dK, dV summed over the team
+    (the reverse initial send reduced piece by piece, each piece while the next is computed)."""
     topo, pos, c = groups.topology, groups.startrail_rank, groups.team_size
     member, n = topo.member_of(pos), q.shape[0]
     acc_dtype = blocks.acc_dtype(q.dtype)
@@ -271,6 +288,7 @@ def _sub_ring_backward_q(comm, groups, docs, kernel, transfer, q, dout, out, lse
     own_kv_segments = _team_segments(groups, docs, topo.kv_team_at_step(pos, 0))
     dkv_init = kv_init.tensor.new_zeros(kv_init.tensor.shape, dtype=acc_dtype)
     reverse = ReverseInitialSend(comm, topo, pos, dkv_init, kv_init.bounds)
+    reducer = _ReverseReduce(comm, groups, reverse)
     lanes = sub_ring_lanes(topo, pos, transfer)
     dq = None
     for i in range(c):
@@ -296,16 +314,21 @@ def _sub_ring_backward_q(comm, groups, docs, kernel, transfer, q, dout, out, lse
                                          tile_rows=n)
                 if last == (True, step):
                     reverse.send(piece)  # these rows of dK, dV are final
+                    reducer.through(piece - 1)  # the previous piece has had a piece's compute to land
             return [[dq_part] for dq_part in dqs]
 
         home = rotate(comm, q_rot.lanes, pos, q_rot.split(side), step_q, op="sub_ring", accumulate=True)
         del side
         dq_i = q_rot.join([lane_acc[0] for lane_acc in home])  # [n, b, h, dqk]: member i's rows
+        del home
         if c > 1:
             dq_i = comm.reduce(dq_i, groups.team_group, c, dst=i, mine=member == i, op="team_reduce")
         if member == i:
             dq = dq_i
-    return dq, reverse
+        del dq_i
+    del dkv_init
+    reducer.through(c - 1)
+    return dq, reducer.mine
 
 
 # -- the backward's own phases (rotation "kv") ------------------------------------------------

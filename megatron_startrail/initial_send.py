@@ -83,9 +83,9 @@ class ReverseInitialSend:
         self._posted[j] = (pending, back)
 
     def piece(self, j: int) -> torch.Tensor:
-        """Rows of piece ``j`` of this rank's team dK, dV, once here (every piece is posted
-        first: each peer posts them in the same order)."""
-        for i in range(len(self._bounds)):
+        """Rows of piece ``j`` of this rank's team dK, dV, once here (pieces up to ``j`` are
+        posted first, in order, as every peer posts them; later ones may not be final yet)."""
+        for i in range(j + 1):
             self.send(i)
         if self._local:
             a, b = self._bounds[j]
