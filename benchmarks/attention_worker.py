@@ -53,8 +53,9 @@ class ConfigRun:
     def __init__(self, config: dict, w: dict, q0, k0, v0, dout, timeline: Timeline) -> None:
         self.config, self.w, self.inputs, self.dout, self.timeline = config, w, (q0, k0, v0), dout, timeline
         self.torch_peer = config.get("impl") == "torch"
-        self.groups = None if self.torch_peer else new_startrail_groups(team_size=config["team_size"],
-                                                                         ulysses_size=config.get("ulysses", 1))
+        self.groups = None if self.torch_peer else new_startrail_groups(
+            team_size=config["team_size"], ulysses_size=config.get("ulysses", 1),
+            backward_rotation=config.get("rotation", "auto"))
         self.times, self.phases, self.spans, self.tx_bytes, self.kept, self.peak = [], [], [], 0, 0, 0
 
     def attention(self, q, k, v):

@@ -64,7 +64,8 @@ def predictions(args, rate_mbit: float, configs: list[dict], calibration: dict,
             out[c["name"]] = 1000 * predict_torch_ring(cluster, work, world, c["rotate_method"])
         else:
             out[c["name"]] = 1000 * predict(cluster, work, world, c["team_size"], c["ulysses"], c["transfer"],
-                                            c.get("regather", False), halo_exchange=c.get("halo", True)).time_s
+                                            c.get("regather", False), halo_exchange=c.get("halo", True),
+                                            rotation=c.get("rotation", "auto")).time_s
     return out
 
 
@@ -81,14 +82,19 @@ def ranking_report(results: list[dict], interleaved: bool = True) -> str:
 
 def parse_config(name: str) -> dict:
     """``ring`` | ``startrail-C`` | ``tasp`` | ``ulysses-Ux<ring|startrail-C>`` | ``startrail-C-multiring``,
-    each optionally followed by ``-regather`` (``regather_in_backward=True``) and ``-nohalo`` (a windowed
-    layer through the schedule: ``halo_exchange=False``); ``torch-cp`` (PyTorch's ring attention, its
+    each optionally followed by ``-regather`` (``regather_in_backward=True``), ``-nohalo`` (a windowed
+    layer through the schedule: ``halo_exchange=False``) and ``-rotq`` / ``-rotkv`` (the backward
+    rotation; default: the one that moves fewer bytes); ``torch-cp`` (PyTorch's ring attention, its
     default all-gather rotation) | ``torch-cp-alltoall``."""
     if name in ("torch-cp", "torch-cp-alltoall"):
         return {"name": name, "impl": "torch",
                 "rotate_method": "alltoall" if name.endswith("alltoall") else "allgather",
                 "team_size": 1, "ulysses": 1, "transfer": "ring", "regather": False}
     config = {"name": name, "impl": "startrail", "team_size": 1, "ulysses": 1, "transfer": "ring", "regather": False}
+    for suffix, rotation in (("-rotq", "q"), ("-rotkv", "kv")):
+        if name.endswith(suffix):
+            config["rotation"] = rotation
+            name = name[: -len(suffix)]
     if name.endswith("-nohalo"):
         config["halo"] = False
         name = name[: -len("-nohalo")]

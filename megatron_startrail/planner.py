@@ -136,7 +136,8 @@ def overlapped_steps(overlap: float, compute: list[float], transfer: list[float]
 
 
 def predict(cluster: ClusterSpec, work: Workload, cp_size: int, team_size: int, ulysses_size: int = 1,
-            transfer: str = "ring", regather_in_backward: bool = False, *, halo_exchange: bool = True) -> Prediction:
+            transfer: str = "ring", regather_in_backward: bool = False, *, halo_exchange: bool = True,
+            rotation: str = "auto") -> Prediction:
     """Predicted forward+backward time of one attention layer on one CP group, and the
     bytes ``work.layers`` such layers keep for backward on one rank. With ``work.window``:
     time, compute and inter-node bytes are the mean per layer over the mix of windowed and
@@ -146,14 +147,15 @@ def predict(cluster: ClusterSpec, work: Workload, cp_size: int, team_size: int, 
     if work.window is not None and normalize_window(work.window, work.causal) is None:
         work = dataclasses.replace(work, window=None)  # a window that bounds nothing (startrail_attn's rule)
     if work.window is None:
-        return _schedule_layer(cluster, work, *args)
+        return _schedule_layer(cluster, work, *args, rotation=rotation)
     windowed, full = window_layers(work.layers, work.window_skip_freq)
     one, parts = dataclasses.replace(work, layers=1), []
     if windowed:
         parts.append((windowed, (halo_exchange and _halo_layer(cluster, one, *args)) or
-                      _schedule_layer(cluster, one, *args)))
+                      _schedule_layer(cluster, one, *args, rotation=rotation)))
     if full:
-        parts.append((full, _schedule_layer(cluster, dataclasses.replace(one, window=None), *args)))
+        parts.append((full, _schedule_layer(cluster, dataclasses.replace(one, window=None), *args,
+                                            rotation=rotation)))
     mean = lambda field: sum(n * getattr(p, field) for n, p in parts) / work.layers  # noqa: E731
     kept = sum(n * p.activation_bytes for n, p in parts)
     transient = max(p.peak_bytes - p.activation_bytes for _, p in parts)  # one layer runs at a time
@@ -187,7 +189,8 @@ def _halo_layer(cluster: ClusterSpec, work: Workload, cp_size: int, team_size: i
 
 
 def _schedule_layer(cluster: ClusterSpec, work: Workload, cp_size: int, team_size: int, ulysses_size: int = 1,
-                    transfer: str = "ring", regather_in_backward: bool = False) -> Prediction:
+                    transfer: str = "ring", regather_in_backward: bool = False, *,
+                    rotation: str = "auto") -> Prediction:
     """One layer through the StarTrail schedule (compute from :meth:`Workload.attention_flops`,
     windowed with ``work.window``: the window skips blocks, never transfers; the model
     spreads its compute evenly over the steps)."""
@@ -208,7 +211,8 @@ def _schedule_layer(cluster: ClusterSpec, work: Workload, cp_size: int, team_siz
     if u > 1:  # Ulysses all-to-alls of q, k, v and the output, forward and backward
         uly = [[cp_rank(p, x) for x in range(u)] for p in positions]
         phases.append(cluster.collective_time(uly, 2 * (u - 1) / u * (eq + eo + ekv) * e, calls=8, ring=False))
-    rotation = choose_backward_rotation(shape, u, c)
+    if rotation == "auto":
+        rotation = choose_backward_rotation(shape, u, c)
     if c > 1:  # team all-gather of q, k|v (again when the backward regathers: k|v only with
         # rotation "q", which broadcasts the queries member by member); merge of out, lse
         phases.append(cluster.collective_time(teams, (c - 1) * (eq + ekv) * e))
@@ -277,9 +281,9 @@ def _schedule_layer(cluster: ClusterSpec, work: Workload, cp_size: int, team_siz
     total += (c - 1) * cut_transfers * cluster.inter_latency_s
     compute = compute_fwd + compute_bwd
     kept = work.layers * kept_for_backward_bytes(shape, ulysses_size=u, team_size=c,
-                                                 regather_in_backward=regather_in_backward)
+                                                 regather_in_backward=regather_in_backward, rotation=rotation)
     peak = activation_peak_bytes(shape, layers=work.layers, cp_size=cp_size, team_size=c, ulysses_size=u,
-                                 regather_in_backward=regather_in_backward)
+                                 regather_in_backward=regather_in_backward, rotation=rotation)
     return Prediction(u, c, transfer, total, compute, max(0.0, total - compute), sum(b for _, b in phases),
                       regather_in_backward and c > 1, kept, peak)
 

@@ -84,8 +84,9 @@ def add_startrail_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     group.add_argument(
         "--startrail-memory-limit-gb", type=float, default=None, metavar="GB",
         help="Per-rank limit (1e9 bytes) for the attention layers of a pipeline stage: what they keep for "
-        "the backward of ONE micro-batch plus one layer's transient buffers while it runs (with 1F1B a stage holds up to --pipeline-model-parallel-size "
-        "micro-batches: divide your budget accordingly): --startrail-team-size auto leaves out team "
+        "the backward of ONE micro-batch plus one layer's transient buffers while it runs (with 1F1B a "
+        "stage holds up to --pipeline-model-parallel-size micro-batches: divide your budget "
+        "accordingly): --startrail-team-size auto leaves out team "
         "sizes over it, and regathering in the backward is switched on where only that makes a team "
         "size fit.",
     )
