@@ -117,6 +117,7 @@ class Prediction:
     activation_bytes: int = 0  # what the attention layers keep for backward, per rank
     # ... plus, at the peak, one layer's forward or backward buffers (memory_model.py)
     peak_bytes: int = 0
+    rotation: str = "auto"  # the backward rotation asked for ("q": streamed, the lowest peak)
 
     @property
     def name(self) -> str:
@@ -126,6 +127,8 @@ class Prediction:
             core += "-multiring"
         if self.regather_in_backward and self.team_size > 1:
             core += "-regather"
+        if self.rotation != "auto":
+            core += f"-rot{self.rotation}"
         return core if self.ulysses_size == 1 else f"ulysses-{self.ulysses_size}x{core}"
 
 
@@ -288,11 +291,15 @@ def _schedule_layer(cluster: ClusterSpec, work: Workload, cp_size: int, team_siz
                       regather_in_backward and c > 1, kept, peak)
 
 
-def _fitting(cluster, work, cp_size, c, u, transfer, memory_limit_bytes) -> Prediction | None:
-    """The prediction for (U, C, transfer) within the memory limit: without regathering if
-    that fits, else with it (ring attention keeps the same either way), else None."""
-    for regather in (False, True) if c > 1 else (False,):
-        pred = predict(cluster, work, cp_size, c, u, transfer, regather)
+def _fitting(cluster, work, cp_size, c, u, transfer, memory_limit_bytes,
+             rotations=("auto", "q")) -> Prediction | None:
+    """The prediction for (U, C, transfer) within the memory limit: as it is if that fits,
+    else with the backward rotation "q" (streamed: a lower peak, the same bytes), else
+    regathering (ring attention keeps the same either way), else both; else None."""
+    options = [(False, r) for r in rotations] + ([(True, r) for r in rotations] if c > 1 else [])
+    for regather, rotation in options:
+        pred = dataclasses.replace(predict(cluster, work, cp_size, c, u, transfer, regather, rotation=rotation),
+                                   rotation=rotation)
         if memory_limit_bytes is None or pred.peak_bytes <= memory_limit_bytes:
             return pred
     return None
@@ -326,11 +333,13 @@ def choose_plan(*, cp_size: int, ulysses_size: int, gpus_per_node: int, seq_leng
                 num_kv_heads: int, head_dim: int, micro_batch_size: int, dtype_bytes: int,
                 cluster: ClusterSpec | None = None, v_head_dim: int | None = None, layers: int = 1,
                 memory_limit_bytes: int | None = None, window_size: tuple[int, int] | None = None,
-                window_skip_freq: int | tuple[int, ...] | None = None) -> Prediction:
-    """The fastest (team size, regathering) for this CP size and Ulysses degree whose
-    ``layers`` attention layers peak at most ``memory_limit_bytes`` per rank (what they
-    keep for backward plus one layer's transient buffers); ``window_size`` /
-    ``window_skip_freq``: Megatron's sliding windows over those layers.
+                window_skip_freq: int | tuple[int, ...] | None = None, backward_rotation: str = "auto") -> Prediction:
+    """The fastest (team size, backward rotation, regathering) for this CP size and Ulysses
+    degree whose ``layers`` attention layers peak at most ``memory_limit_bytes`` per rank
+    (what they keep for backward plus one layer's transient buffers); ``window_size`` /
+    ``window_skip_freq``: Megatron's sliding windows over those layers. With
+    ``backward_rotation`` "auto" the streamed rotation "q" is taken where only it fits;
+    "q" or "kv" are kept as given.
 
     Without ``cluster``: the ``DEFAULT_CLUSTER`` preset with ``gpus_per_node`` CP ranks per
     node. Raises ValueError when nothing fits."""
@@ -341,7 +350,9 @@ def choose_plan(*, cp_size: int, ulysses_size: int, gpus_per_node: int, seq_leng
                     window_skip_freq=window_skip_freq if isinstance(window_skip_freq, (int, type(None)))
                     else tuple(window_skip_freq))
     found = [pred for c in valid_team_sizes(cp_size // ulysses_size)
-             if (pred := _fitting(cluster, work, cp_size, c, ulysses_size, "ring", memory_limit_bytes)) is not None]
+             if (pred := _fitting(cluster, work, cp_size, c, ulysses_size, "ring", memory_limit_bytes,
+                                  ("auto", "q") if backward_rotation == "auto" else (backward_rotation,)))
+             is not None]
     if not found:
         least = predict(cluster, work, cp_size, 1, ulysses_size).peak_bytes
         raise ValueError(

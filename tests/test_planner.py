@@ -246,22 +246,30 @@ def test_memory_limit_leaves_out_configurations_or_makes_them_regather():
         layer = layer_memory_bytes(shape, cp_size=16, team_size=p.team_size, ulysses_size=p.ulysses_size,
                                    regather_in_backward=p.regather_in_backward)
         assert p.activation_bytes == 8 * kept and p.peak_bytes == 8 * kept + layer["peak"] - layer["kept"]
-    # Below every team's peak without regathering: a team stays where regathering fits it.
-    regathered = {key: predict(cluster, work, 16, p.team_size, p.ulysses_size, regather_in_backward=True)
-                  for key, p in free.items() if p.team_size > 1}
-    limit = min(p.peak_bytes for key, p in free.items() if key in regathered) - 1
-    tight = plan(cluster, work, 16, transfers=("ring",), memory_limit_bytes=limit)
-    expected = {key for key, p in regathered.items() if p.peak_bytes <= limit}
-    expected |= {key for key, p in free.items() if p.team_size == 1 and p.peak_bytes <= limit}
-    assert {(p.ulysses_size, p.name.replace("-regather", "")) for p in tight} == expected
-    assert all(p.peak_bytes <= limit for p in tight)
-    assert all(p.regather_in_backward for p in tight if p.team_size > 1)
-    assert any(p.team_size > 1 for p in tight)  # the limit is not one that only ring attention meets
+    # Below every team's peak as it is: a team stays where the streamed rotation "q" or
+    # regathering (tried in that order, then both) brings it under the limit.
+    limit = min(p.peak_bytes for p in free.values() if p.team_size > 1) - 1
+    tight = {(p.ulysses_size, p.team_size): p for p in plan(cluster, work, 16, transfers=("ring",),
+                                                              memory_limit_bytes=limit)}
+    options = [(False, "auto"), (False, "q"), (True, "auto"), (True, "q")]
+    for p in free.values():
+        fitting = [(regather, rotation) for regather, rotation in (options if p.team_size > 1 else options[:2])
+                   if predict(cluster, work, 16, p.team_size, p.ulysses_size, regather_in_backward=regather,
+                              rotation=rotation).peak_bytes <= limit]
+        got = tight.get((p.ulysses_size, p.team_size))
+        if not fitting:
+            assert got is None
+        else:
+            assert (got.regather_in_backward, got.rotation) == fitting[0] and got.peak_bytes <= limit
+    assert any(p.team_size > 1 for p in tight.values())  # the limit is not one that only ring attention meets
+    assert any(p.rotation == "q" or p.regather_in_backward for p in tight.values() if p.team_size > 1)
     # Regathering costs time: the same configuration without it is faster when memory allows.
     loose = {(p.ulysses_size, p.team_size): p.time_s for p in free.values()}
-    assert all(p.time_s > loose[p.ulysses_size, p.team_size] for p in tight if p.regather_in_backward)
+    assert all(p.time_s > loose[key] for key, p in tight.items() if p.regather_in_backward)
     # Below the smallest peak nothing fits; auto says which flag to change.
-    least = min(p.peak_bytes for p in tight)
+    least = min(predict(cluster, work, 16, p.team_size, p.ulysses_size, regather_in_backward=regather,
+                        rotation=rotation).peak_bytes
+                for p in free.values() for regather, rotation in options if p.team_size > 1 or not regather)
     assert plan(cluster, work, 16, memory_limit_bytes=least - 1) == []
     with pytest.raises(ValueError, match="--startrail-memory-limit-gb"):
         choose_team_size(cp_size=16, ulysses_size=1, gpus_per_node=8, seq_length=8192, num_heads=4, num_kv_heads=4,

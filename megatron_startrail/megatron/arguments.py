@@ -86,9 +86,9 @@ def add_startrail_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         help="Per-rank limit (1e9 bytes) for the attention layers of a pipeline stage: what they keep for "
         "the backward of ONE micro-batch plus one layer's transient buffers while it runs (with 1F1B a "
         "stage holds up to --pipeline-model-parallel-size micro-batches: divide your budget "
-        "accordingly): --startrail-team-size auto leaves out team "
-        "sizes over it, and regathering in the backward is switched on where only that makes a team "
-        "size fit.",
+        "accordingly): --startrail-team-size auto leaves out team sizes over it; where only that makes "
+        "a team size fit, the streamed backward rotation q (if --startrail-backward-rotation is auto) "
+        "and then regathering in the backward are switched on.",
     )
     return parser
 
@@ -248,14 +248,18 @@ def _auto_plan(args, heads: int, kv_heads: int) -> None:
     InfiniBand each) with this job's CP ranks per node; regathering on when it needs it to fit."""
     from ..planner import choose_plan  # noqa: PLC0415 - only for auto
 
-    best = choose_plan(**_planner_inputs(args, heads, kv_heads), **_window_inputs(args))
+    best = choose_plan(**_planner_inputs(args, heads, kv_heads), **_window_inputs(args),
+                       backward_rotation=getattr(args, "startrail_backward_rotation", "auto"))
     args.startrail_team_size = best.team_size
     args.startrail_regather_in_backward = getattr(args, "startrail_regather_in_backward", False) or \
         best.regather_in_backward
+    if best.rotation != "auto":  # the streamed rotation "q" is what made it fit
+        args.startrail_backward_rotation = best.rotation
 
 
 def _fit_memory_limit(args, heads: int, kv_heads: int) -> None:
-    """A given team size under --startrail-memory-limit-gb: regather if only that fits."""
+    """A given team size under --startrail-memory-limit-gb: the streamed backward rotation
+    "q" and/or regathering where only that fits."""
     from ..accounting import AttentionShape  # noqa: PLC0415
     from ..memory_model import activation_peak_bytes  # noqa: PLC0415
 
@@ -267,20 +271,30 @@ def _fit_memory_limit(args, heads: int, kv_heads: int) -> None:
             args.context_parallel_size // args.ulysses_degree_in_cp):
         return  # the team-size check below names the problem
 
-    def peak(regather: bool) -> int:
+    def peak(regather: bool, rotation: str) -> int:
         return activation_peak_bytes(shape, layers=inputs["layers"], cp_size=args.context_parallel_size,
                                      team_size=c, ulysses_size=args.ulysses_degree_in_cp,
-                                     regather_in_backward=regather)
+                                     regather_in_backward=regather, rotation=rotation)
 
-    if peak(args.startrail_regather_in_backward) <= limit:
-        return
-    if peak(True) > limit:
-        raise ValueError(
-            f"--startrail-team-size {c} peaks at {peak(True) / 1e9:.3g} GB per rank in the attention of "
-            f"{inputs['layers']} layers even with --startrail-regather-in-backward, over "
-            f"--startrail-memory-limit-gb {args.startrail_memory_limit_gb:g}: raise the limit or "
-            "--context-parallel-size"
-        )
-    args.startrail_regather_in_backward = True
+    # As given; else the streamed rotation "q" (if the rotation was left to auto); else
+    # regathering; else both.
+    given = getattr(args, "startrail_backward_rotation", "auto")
+    rotations = ("auto", "q") if given == "auto" else (given,)
+    regathers = (True,) if args.startrail_regather_in_backward else (False, True)
+    for regather in regathers:
+        for rotation in rotations:
+            if peak(regather, rotation) <= limit:
+                args.startrail_regather_in_backward = regather
+                if rotation != "auto":
+                    args.startrail_backward_rotation = rotation
+                return
+    least = min(peak(True, r) for r in rotations)
+    raise ValueError(
+        f"--startrail-team-size {c} peaks at {least / 1e9:.3g} GB per rank in the attention of "
+        f"{inputs['layers']} layers even with --startrail-regather-in-backward"
+        f"{' and --startrail-backward-rotation q' if 'q' in rotations else ''}, over "
+        f"--startrail-memory-limit-gb {args.startrail_memory_limit_gb:g}: raise the limit or "
+        "--context-parallel-size"
+    )
 
 

@@ -55,7 +55,7 @@ def test_auto_team_size_asks_the_planner_with_the_flags_values(monkeypatch):
 
     def spy(**inputs):
         asked.update(inputs)
-        return types.SimpleNamespace(team_size=4, regather_in_backward=True)  # neither is a default
+        return types.SimpleNamespace(team_size=4, regather_in_backward=True, rotation="q")  # none is a default
 
     monkeypatch.setattr("megatron_startrail.planner.choose_plan", spy)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
@@ -76,11 +76,13 @@ def test_auto_team_size_asks_the_planner_with_the_flags_values(monkeypatch):
         dtype_bytes=2,  # --bf16
         layers=2,  # 4 layers / PP 2: the attention layers of one stage
         memory_limit_bytes=None,
+        backward_rotation="auto",  # --startrail-backward-rotation: left to the planner
     )
-    assert (args.startrail_team_size, args.startrail_regather_in_backward) == (4, True)
+    assert (args.startrail_team_size, args.startrail_regather_in_backward, args.startrail_backward_rotation) == (
+        4, True, "q")
 
 
-def test_memory_limit_turns_on_regathering_when_only_that_fits(monkeypatch):
+def test_memory_limit_turns_on_the_streamed_rotation_or_regathering_when_only_that_fits(monkeypatch):
     from megatron_startrail.accounting import AttentionShape  # noqa: PLC0415
     from megatron_startrail.memory_model import activation_peak_bytes  # noqa: PLC0415
 
@@ -88,27 +90,37 @@ def test_memory_limit_turns_on_regathering_when_only_that_fits(monkeypatch):
              "--seq-length", "4096", "--max-position-embeddings", "4096", "--num-layers", "8"]
     shape = AttentionShape(4096 // 8, 1, 8, 8, 8, 4)
 
-    def peak(team_size, regather):  # 8 layers
-        return activation_peak_bytes(shape, layers=8, cp_size=8, team_size=team_size, regather_in_backward=regather)
+    def peak(team_size, regather, rotation="auto"):  # 8 layers
+        return activation_peak_bytes(shape, layers=8, cp_size=8, team_size=team_size, regather_in_backward=regather,
+                                     rotation=rotation)
 
-    # 8 layers' kept team buffers weigh more than what regathering adds to one layer's backward.
-    assert peak(2, True) < peak(2, False)
+    def settings(args):
+        return args.startrail_regather_in_backward, args.startrail_backward_rotation
+
+    # Tried in this order; the streamed rotation lowers the peak, with or without regathering.
+    options = [(False, "auto"), (False, "q"), (True, "auto"), (True, "q")]
+    assert peak(2, False) > peak(2, False, "q") and peak(2, True) > peak(2, True, "q")
     args = parse(monkeypatch, *flags)
     validate_startrail_args(args)
-    assert args.startrail_regather_in_backward is False
-    args = parse(monkeypatch, *flags, "--startrail-memory-limit-gb", str(peak(2, True) / 1e9))
+    assert settings(args) == (False, "auto")
+    for limit in sorted({peak(2, *option) for option in options}):
+        args = parse(monkeypatch, *flags, "--startrail-memory-limit-gb", str((limit + 16) / 1e9))  # GB rounding
+        validate_startrail_args(args)
+        assert settings(args) == next(option for option in options if peak(2, *option) <= limit + 16), limit
+    # An explicit rotation is kept: with "kv" only regathering can help.
+    args = parse(monkeypatch, *flags, "--startrail-backward-rotation", "kv", "--startrail-memory-limit-gb",
+                 str((peak(2, True, "kv") + 16) / 1e9))
     validate_startrail_args(args)
-    assert args.startrail_regather_in_backward is True
-    args = parse(monkeypatch, *flags, "--startrail-memory-limit-gb", str((peak(2, True) - 1000) / 1e9))
+    assert settings(args) == (True, "kv")
+    args = parse(monkeypatch, *flags, "--startrail-memory-limit-gb",
+                 str((min(peak(2, *option) for option in options) - 1000) / 1e9))
     with pytest.raises(ValueError, match="--startrail-memory-limit-gb"):
         validate_startrail_args(args)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    args = parse(monkeypatch, *flags[:4], "--startrail-memory-limit-gb", str(peak(2, True) / 1e9), "--seq-length",
-                 "4096", "--max-position-embeddings", "4096", "--num-layers", "8")
-    validate_startrail_args(args)  # auto: whatever C it picks fits, regathering if C > 1
-    chosen = (args.startrail_team_size, args.startrail_regather_in_backward)
-    assert chosen in ((1, False), (2, True))
-    assert peak(*chosen) <= peak(2, True)
+    args = parse(monkeypatch, *flags[:4], "--startrail-memory-limit-gb", str((peak(2, True) + 16) / 1e9),
+                 "--seq-length", "4096", "--max-position-embeddings", "4096", "--num-layers", "8")
+    validate_startrail_args(args)  # auto: whatever C it picks fits
+    assert peak(args.startrail_team_size, *settings(args)) <= peak(2, True) + 16
 
 
 @pytest.mark.parametrize(
