@@ -79,3 +79,17 @@ def plan_coverage(q_segments, k_segments, causal):
             sub = sub.tril()
         count[q0:q1, cols] += sub
     return count
+
+
+def window_mask(delta: torch.Tensor, window: tuple[int, int], causal: bool) -> torch.Tensor:
+    """Where key minus query position ``delta`` is inside a sliding ``window`` (left, right),
+    -1 unbounded, the way Megatron and flash-attn define it (True: visible)."""
+    left, right = window
+    mask = torch.ones_like(delta, dtype=torch.bool)
+    if causal:
+        mask &= delta <= 0
+    if left >= 0:
+        mask &= delta >= -left
+    if right >= 0:
+        mask &= delta <= right
+    return mask

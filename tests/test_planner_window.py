@@ -30,6 +30,7 @@ from megatron_startrail.planner import (
 from megatron_startrail.planner import main as planner_main
 from megatron_startrail.planner import parser as planner_parser
 from megatron_startrail.topology import valid_team_sizes
+from tests.attention_cases import window_mask
 from tests.test_planner import Recording, unlimited
 
 WORK = Workload(seq_length=2048, heads=4, kv_heads=2, head_dim=32, batch=1, dtype_bytes=2, causal=True)
@@ -40,16 +41,7 @@ CP = 8
 def mask_pairs(seq, window, causal):
     """(query, key) pairs inside the window, counted on a dense mask (the reference)."""
     i = torch.arange(seq)
-    delta = i[None, :] - i[:, None]  # key minus query
-    left, right = window
-    mask = torch.ones(seq, seq, dtype=torch.bool)
-    if causal:
-        mask &= delta <= 0
-    if left >= 0:
-        mask &= delta >= -left
-    if right >= 0:
-        mask &= delta <= right
-    return int(mask.sum())
+    return int(window_mask(i[None, :] - i[:, None], window, causal).sum())  # key minus query
 
 
 @pytest.mark.parametrize("seq", [1, 7, 64])

@@ -14,7 +14,7 @@ from megatron_startrail import new_startrail_groups, startrail_attn
 from megatron_startrail.accounting import AttentionShape, expected_comm, halo_bytes, halo_rows
 from megatron_startrail.halo import MAX_HALO_SHARE
 from megatron_startrail.layout import plan_blocks
-from tests.attention_cases import full_inputs, relative_error
+from tests.attention_cases import full_inputs, relative_error, window_mask
 from tests.multiproc import run_ranks
 from tests.packed_cases import PAD, document_of_positions, held_positions, make_documents
 
@@ -28,15 +28,8 @@ def windowed_reference(q, k, v, dout, doc, positions, window, causal, scale):
     q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
     heads, kv_heads, s = q.shape[2], k.shape[2], q.shape[0]
     kk, vv = (t.repeat_interleave(heads // kv_heads, dim=2) for t in (k, v))
-    left, right = window
     delta = positions[None, :] - positions[:, None]  # key minus query position
-    mask = (doc[:, None] == doc[None, :]) & (doc[:, None] != PAD)
-    if causal:
-        mask &= delta <= 0
-    if left >= 0:
-        mask &= delta >= -left
-    if right >= 0:
-        mask &= delta <= right
+    mask = (doc[:, None] == doc[None, :]) & (doc[:, None] != PAD) & window_mask(delta, window, causal)
     real = mask.any(dim=1)
     mask |= torch.eye(s, dtype=torch.bool) & ~real[:, None]
     scores = torch.einsum("sbhd,tbhd->bhst", q, kk) * scale

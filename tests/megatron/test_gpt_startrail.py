@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.megatron.utils import Utils, forward_backward, parallel_state, sample_batch, tiny_gpt
+from tests.megatron.utils import Utils, forward_backward, parallel_state, sample_batch, sgd_step_on_summed_grads, tiny_gpt
 from tests.multiproc import run_ranks
 
 # (name, world, tp, pp, cp, dp, team_size, ulysses, query_groups)
@@ -48,12 +48,7 @@ def worker(rank, world_size, tp, pp, cp, team_size, ulysses, query_groups, windo
         loss = forward_backward(model, mine)
         total = torch.tensor([loss if loss is not None else 0.0], dtype=torch.float64)
         dist.all_reduce(total, group=dp_cp_group)
-        grads = {}
-        for name, p in model.named_parameters():
-            g = p.grad.detach().clone()
-            dist.all_reduce(g, group=dp_cp_group)
-            grads[name] = g
-            p.data.add_(g, alpha=-LR)  # plain SGD on the summed gradients
+        grads = sgd_step_on_summed_grads(model, dp_cp_group, LR)
         losses.append(total.item())
         if first_grads is None:
             first_grads = grads

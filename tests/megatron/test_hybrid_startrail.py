@@ -23,6 +23,7 @@ from tests.megatron.utils import (  # first: the CPU import shims before megatro
     initialize_startrail,
     parallel_state,
     sample_batch,
+    sgd_step_on_summed_grads,
 )
 
 from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec  # noqa: E402
@@ -154,12 +155,7 @@ def worker(rank, world_size, tp, cp, team_size):
         loss = forward_backward(model, sample_batch(10 * step))
         total = torch.tensor([loss], dtype=torch.float64)
         dist.all_reduce(total, group=dp_cp_group)
-        grads = {}
-        for name, p in model.named_parameters():
-            g = p.grad.detach().clone()
-            dist.all_reduce(g, group=dp_cp_group)
-            grads[name] = g
-            p.data.add_(g, alpha=-LR)
+        grads = sgd_step_on_summed_grads(model, dp_cp_group, LR)
         losses.append(total.item())
         first_grads = first_grads or grads
     keep = parallel_state.get_context_parallel_rank() == 0

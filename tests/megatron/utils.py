@@ -129,3 +129,15 @@ def forward_backward(model, batch):
         seq_length=seq_length, micro_batch_size=micro_batch, forward_only=False,
     )
     return sum(float(x["loss_sum"]) for x in losses) if losses else None
+
+
+def sgd_step_on_summed_grads(model, group, lr: float) -> dict:
+    """Sum every parameter's gradient over ``group`` (what Megatron's DDP does over DP x CP),
+    take a plain SGD step with it, and return the summed gradients by name."""
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad.detach().clone()
+        dist.all_reduce(g, group=group)
+        grads[name] = g
+        p.data.add_(g, alpha=-lr)
+    return grads
