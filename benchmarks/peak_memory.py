@@ -18,7 +18,7 @@ the table gives the range too). ``model`` is the closed form of
 workspace is not in it). Configurations: ring attention (team size 1) and StarTrail with
 team size C, with and without ``regather_in_backward``, with the backward rotation ``auto``
 picks and with rotation "q" (streamed per team member, Note [streamed rotation q] in
-``megatron_startrail/attention.py``); by default P = 8 with C = 2 and P = 16 with C = 4.
+``megatron_startrail/backward.py``); by default P = 8 with C = 2 and P = 16 with C = 4.
 
 Writes ``OUT.json`` and ``OUT.md``; ``--from-json`` rewrites the table of a saved run.
 """

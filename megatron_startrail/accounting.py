@@ -19,7 +19,7 @@ forward
     p2p sent    (init + G - 1) C Ekv e       initial send + sub-ring        [paper eq. 3
     steps       init + G - 1                                                  omits init]
 backward, rotation "q" (paper 3.2.1: K, V fixed; Q, dO, out, lse and dQ circulate,
-streamed in C passes of one member's rows, Note [streamed rotation q] in attention.py)
+streamed in C passes of one member's rows, Note [streamed rotation q] in backward.py)
     p2p sent    (G-1) C ((Eq + 2 Eo) e + El a) + [G>1] G C Eq a + init C Ekv a
     collective  as "kv" below, + (C-1) Eq e  (Q broadcast in the team: the forward keeps
                                               only this rank's)
@@ -179,7 +179,7 @@ def expected_comm(
     bwd_p2p = (g - 1) * payload + (g * accumulator if g > 1 else 0) + init * c * ekv * a
     bwd_coll = (c - 1) * ((2 * eo * e + e_lse * a) + (eq + ekv) * a) + uly_in + uly_out
     # Rotation "q" takes the team's queries member by member (Note [streamed rotation q] in
-    # attention.py): C passes of G steps each, and Q itself is broadcast in the backward
+    # backward.py): C passes of G steps each, and Q itself is broadcast in the backward
     # (the forward keeps only this rank's) -- so a regathering backward gathers K, V only.
     passes = c if rotation == "q" else 1
     bwd_steps = passes * (g if g > 1 else 0) + init

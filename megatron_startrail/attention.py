@@ -39,12 +39,14 @@ from . import blocks
 from .accounting import AttentionShape, choose_backward_rotation
 from .comm import CommStats, Communicator
 from .documents import agree_on_documents
+from .backward import backward_kv, backward_q
 from .groups import StarTrailGroups
 from .halo import halo_attn, halo_plan
 from .kernels import check_kernel, kernel_for
-from .initial_send import PieceTransfer, ReverseInitialSend, post_initial_send
-from .layout import Documents, Segment, normalize_window, rows_of_cp_ranks, segment_rows
+from .initial_send import PieceTransfer
+from .layout import normalize_window
 from .schedule import rotate
+from .team import gather_team_and_send, team_segments
 from .timeline import Timeline
 from .transfer import TRANSFERS, LaneSplit, sub_ring_lanes
 from .ulysses import gather_sequence, scatter_sequence
@@ -52,34 +54,7 @@ from .ulysses import gather_sequence, scatter_sequence
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-def _team_segments(groups: StarTrailGroups, docs: Documents, team: int) -> tuple[Segment, ...]:
-    """The rows of a team's gathered sequence as segments (members in order, each member
-    holding the CP ranks of its Ulysses group in order)."""
-    u = groups.ulysses_size
-    cp_ranks = tuple(p * u + i for p in groups.topology.team_positions(team) for i in range(u))
-    return rows_of_cp_ranks(docs, cp_ranks)
-
-
-# -- the phases; the forward runs 1-4, the backward re-runs 1-2 when regathering ------------
-
-
-def _gather_team_and_send(comm: Communicator, groups: StarTrailGroups, q, k, v, *, gather_op: str, send_op: str,
-                          gather_q: bool = True):
-    """Phases 1-2, overlapped. Team all-gather: ``q [n, b, h, dqk]``, ``k [n, b, hkv, dqk]``,
-    ``v [n, b, hkv, dv]`` -> ``q_team [C*n, b, h, dqk]``, ``kv_team [C*n, b, hkv, dqk + dv]``;
-    initial send (paper Alg. 2) of ``kv_team`` to ``init_send_dst``, in ``C`` pieces. Returns
-    ``q_team`` and ``kv_init``, what this rank starts the sub-ring with, still landing (a
-    :class:`PieceTransfer`; ``kv_team`` itself when the send maps the rank to itself).
-
-    Both gathers start at once, K, V first: the initial send needs only them, so it goes
-    out while Q is still being gathered. K and V travel side by side in the last dim, so
-    V keeps its own head dim (MLA). ``gather_q=False`` (the backward with rotation "q",
-    which takes the team's queries member by member) gathers K, V only; ``q_team`` is None."""
-    c = groups.team_size
-    kv_gather = comm.all_gather(torch.cat([k, v], dim=-1), groups.team_group, c, op=gather_op, wait=False)
-    q_gather = comm.all_gather(q, groups.team_group, c, op=gather_op, wait=False) if gather_q else None
-    kv_init = post_initial_send(comm, groups.topology, groups.startrail_rank, kv_gather.wait(), op=send_op)
-    return (q_gather.wait() if gather_q else None), kv_init
+# -- the phases; the forward runs 1-4 (phases 1-2 in team.py, shared with the backward) -------
 
 
 def _sub_ring_forward(comm, groups, docs, kernel, transfer, q_team, kv_init: PieceTransfer, *, causal, scale,
@@ -93,10 +68,10 @@ def _sub_ring_forward(comm, groups, docs, kernel, transfer, q_team, kv_init: Pie
     acc_dtype = blocks.acc_dtype(q_team.dtype)
     acc_out = q_team.new_zeros((b, h, rows, dv), dtype=acc_dtype)
     acc_lse = q_team.new_full((b, h, rows), float("-inf"), dtype=acc_dtype)
-    q_segments = _team_segments(groups, docs, topo.team_of(pos))
+    q_segments = team_segments(groups, docs, topo.team_of(pos))
     kv_rot = LaneSplit(
         sub_ring_lanes(topo, pos, transfer), rows,
-        lambda origin: _team_segments(groups, docs, topo.kv_team_at_step(origin, 0)),
+        lambda origin: team_segments(groups, docs, topo.kv_team_at_step(origin, 0)),
     )
 
     def attend(step, payloads, part_rows):
@@ -153,7 +128,7 @@ class _StarTrailAttention(torch.autograd.Function):
         # q [n, b, h, dqk], k [n, b, hkv, dqk], v [n, b, hkv, dv]; n = len(my chunks) * L
         kernel = kernel_for(q, k, v, groups.kernel)
         comm = Communicator(fwd_stats, groups.transport, timeline)
-        q_team, kv_init = _gather_team_and_send(comm, groups, q, k, v, gather_op="team_all_gather",
+        q_team, kv_init = gather_team_and_send(comm, groups, q, k, v, gather_op="team_all_gather",
                                                 send_op="init_send")
         acc_out, acc_lse = _sub_ring_forward(comm, groups, docs, kernel, transfer, q_team, kv_init,
                                              causal=causal, scale=scale, window=window)
@@ -173,212 +148,8 @@ class _StarTrailAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        if ctx.rotation == "q":
-            return _backward_q(ctx, dout)
-        groups, docs = ctx.groups, ctx.docs
-        comm = Communicator(ctx.bwd_stats, groups.transport, ctx.timeline)
-        if ctx.regather:  # phases 1-2 again, on this rank's q, k, v
-            q, k, v, out, lse = ctx.saved_tensors
-            q_team, kv_init = _gather_team_and_send(comm, groups, q, k, v, gather_op="regather_team_all_gather",
-                                                    send_op="regather_init_send")
-        else:
-            q_team, kv_team, out, lse = ctx.saved_tensors
-            kv_init = PieceTransfer.local(kv_team, groups.team_size)
-        dtype = q_team.dtype
-        do_out, lse_team = _gather_query_side(comm, groups, dout, out, lse)
-        # dK, dV go back along the reverse of the initial send while dQ is reduce-scattered
-        # in the team (float32): every member keeps its own rows.
-        dq_team, dkv_back = _sub_ring_backward_kv(comm, groups, docs, ctx.kernel, ctx.transfer, q_team, do_out,
-                                                  lse_team, kv_init, causal=ctx.causal, scale=ctx.scale,
-                                                  window=ctx.window, tile_rows=q_team.shape[0] // groups.team_size)
-        # The team's buffers are done with: free them before the reductions (peak memory;
-        # what the forward saved stays alive in ctx until the backward returns).
-        del q_team, do_out, lse_team, kv_init
-        dqk = dq_team.shape[-1]
-        dq = comm.reduce_scatter(dq_team, groups.team_group, groups.team_size, op="team_reduce_scatter")
-        del dq_team
-        dkv = _reduce_reverse_pieces(comm, groups, dkv_back)
-        dk, dv = dkv[..., :dqk].to(dtype), dkv[..., dqk:].to(dtype)
-        return (dq.to(dtype), dk, dv) + (None,) * 11
-
-
-def _backward_q(ctx, dout):
-    """The backward with rotation "q" (paper 3.2.1: K, V fixed; Q, dO, out, lse and dQ
-    circulate), streamed member by member (Note [streamed rotation q])."""
-    groups = ctx.groups
-    comm = Communicator(ctx.bwd_stats, groups.transport, ctx.timeline)
-    if ctx.regather:  # phase 2 again (K, V only: the queries come member by member)
-        q, k, v, out, lse = ctx.saved_tensors
-        _, kv_init = _gather_team_and_send(comm, groups, q, k, v, gather_op="regather_team_all_gather",
-                                           send_op="regather_init_send", gather_q=False)
-    else:
-        q, kv_team, out, lse = ctx.saved_tensors
-        kv_init = PieceTransfer.local(kv_team, groups.team_size)
-    dtype, dqk = q.dtype, q.shape[-1]
-    dq, dkv = _sub_ring_backward_q(comm, groups, ctx.docs, ctx.kernel, ctx.transfer, q, dout, out, lse,
-                                   kv_init, causal=ctx.causal, scale=ctx.scale, window=ctx.window)
-    del kv_init
-    dk, dv = dkv[..., :dqk].to(dtype), dkv[..., dqk:].to(dtype)
-    return (dq.to(dtype), dk, dv) + (None,) * 11
-
-
-class _ReverseReduce:
-    """This rank's ``dkv [n, b, hkv, dqk + dv]``: piece ``j`` of what the reverse initial send
-    brings (member ``j``'s rows, from this rank's sub-ring), summed over the team into member
-    ``j`` -- a reduce-scatter done piece by piece (:meth:`through`, in piece order on every
-    member), so that the team's dK, dV never land here all at once."""
-
-    def __init__(self, comm, groups, reverse: ReverseInitialSend) -> None:
-        self._comm, self._groups, self._reverse = comm, groups, reverse
-        self._member = groups.topology.member_of(groups.startrail_rank)
-        self._next, self.mine = 0, None
-
-    def through(self, last: int) -> None:
-        """Reduce pieces up to ``last`` (those before are done)."""
-        c = self._groups.team_size
-        while self._next <= last:
-            j = self._next
-            piece = self._comm.reduce(self._reverse.piece(j), self._groups.team_group, c, dst=j,
-                                      mine=self._member == j, op="team_reduce")
-            if self._member == j:
-                self.mine = piece
-            del piece
-            self._reverse.release(j)
-            self._next += 1
-
-
-def _reduce_reverse_pieces(comm, groups, reverse: ReverseInitialSend) -> torch.Tensor:
-    """All of :class:`_ReverseReduce` at once: this rank's dK, dV rows."""
-    reducer = _ReverseReduce(comm, groups, reverse)
-    reducer.through(groups.team_size - 1)
-    return reducer.mine
-
-
-# Note [streamed rotation q]
-# --------------------------
-# With rotation "q" every position circulates its team's query side (Q, dO, out, lse of
-# the team's C*n rows) around its sub-ring, against the fixed K, V of the initial send.
-# Gathering the whole query side at once would hold C times a ring rank's buffers (the
-# side, its copy in flight, dQ accumulators) on top of the fixed K, V and their float32
-# gradients. Instead the backward makes C passes, one per team member i:
-#
-#     team broadcast from member i    q_i, dO_i, out_i, lse_i        (n rows)
-#     rotate over the sub-ring         the n rows and their dQ accumulator, G steps,
-#                                      each position adding into its fixed dK, dV
-#     team reduce to member i          dQ of member i's rows, summed over the team
-#
-# The bytes are those of the unstreamed schedule: over the C passes each rank is the
-# broadcast's source once, as in an all-gather, and the reduce's destination once, as in
-# a reduce-scatter; the sub-ring moves C payloads of n rows instead of one of C*n rows.
-# What grows is the number of sequential steps (C G instead of G) and of collectives. The
-# initial send's pieces are attended as they land in pass 0; dK, dV go back piece by piece
-# at the last step of the last pass.
-
-
-def _sub_ring_backward_q(comm, groups, docs, kernel, transfer, q, dout, out, lse, kv_init: PieceTransfer, *,
-                         causal, scale, window=None):
-    """Note [streamed rotation q]. ``q [n, b, h, dqk]``, ``dout``, ``out [n, b, h, dv]``,
-    ``lse [n, b, h]`` of this rank. Returns this rank's ``dq [n, b, h, dqk]`` (accumulator
-    dtype) and ``dkv [n, b, hkv, dqk + dv]``, this rank's rows of dK, dV summed over the team
-    (the reverse initial send reduced piece by piece, each piece while the next is computed)."""
-    topo, pos, c = groups.topology, groups.startrail_rank, groups.team_size
-    member, n = topo.member_of(pos), q.shape[0]
-    acc_dtype = blocks.acc_dtype(q.dtype)
-    own_side = [q, dout.contiguous(), out, lse]  # [n, b, h, dqk], [n, b, h, dv] x 2, [n, b, h]
-    own_kv_segments = _team_segments(groups, docs, topo.kv_team_at_step(pos, 0))
-    dkv_init = kv_init.tensor.new_zeros(kv_init.tensor.shape, dtype=acc_dtype)
-    reverse = ReverseInitialSend(comm, topo, pos, dkv_init, kv_init.bounds)
-    reducer = _ReverseReduce(comm, groups, reverse)
-    lanes = sub_ring_lanes(topo, pos, transfer)
-    dq = None
-    for i in range(c):
-        side = own_side if member == i else [torch.empty_like(t) for t in own_side]
-        if c > 1:
-            pending = [comm.broadcast(t, groups.team_group, c, src=i, mine=member == i, op="team_broadcast",
-                                      wait=False) for t in side]
-            side = [p.wait() for p in pending]
-        # The rows of member i of the team at ``origin`` (Note [documents]: members in order).
-        q_rot = LaneSplit(lanes, n, lambda origin, i=i: segment_rows(
-            _team_segments(groups, docs, topo.team_of(origin)), i * n, (i + 1) * n))
-        last = (i == c - 1, len(q_rot.lanes[0].order) - 1)
-
-        def step_q(step, payloads, _rows, q_rot=q_rot, last=last):
-            dqs = [held[0].new_zeros(held[0].shape, dtype=acc_dtype) for held in payloads]
-            for piece, (a, b) in enumerate(kv_init.bounds):  # K, V pieces, as they land (pass 0, step 0)
-                kv, kv_segments = kv_init.piece(piece), segment_rows(own_kv_segments, a, b)
-                for lane_index, (lane, (q_part, dout_part, out_part, lse_rows), dq_part) in enumerate(
-                        zip(q_rot.lanes, payloads, dqs)):
-                    q_segments = q_rot.part_segments(lane.origin(pos, step), lane_index)
-                    blocks.backward_step(kernel, q_part, dout_part, out_part, lse_rows, kv, q_segments, kv_segments,
-                                         dq_part, dkv_init[a:b], causal=causal, scale=scale, window=window,
-                                         tile_rows=n)
-                if last == (True, step):
-                    reverse.send(piece)  # these rows of dK, dV are final
-                    reducer.through(piece - 1)  # the previous piece has had a piece's compute to land
-            return [[dq_part] for dq_part in dqs]
-
-        home = rotate(comm, q_rot.lanes, pos, q_rot.split(side), step_q, op="sub_ring", accumulate=True)
-        del side
-        dq_i = q_rot.join([lane_acc[0] for lane_acc in home])  # [n, b, h, dqk]: member i's rows
-        del home
-        if c > 1:
-            dq_i = comm.reduce(dq_i, groups.team_group, c, dst=i, mine=member == i, op="team_reduce")
-        if member == i:
-            dq = dq_i
-        del dq_i
-    del dkv_init
-    reducer.through(c - 1)
-    return dq, reducer.mine
-
-
-# -- the backward's own phases (rotation "kv") ------------------------------------------------
-
-
-def _gather_query_side(comm, groups, dout, out, lse):
-    """Team all-gather of the query-side inputs of the block backward besides Q: returns
-    ``do_out [C*n, b, h, 2 dv]`` (dO | out side by side) and ``lse_team [C*n, b, h]``. Q
-    stays its own tensor (no copy of the team's Q into a joint buffer: peak memory)."""
-    c = groups.team_size
-    do_out = comm.all_gather(torch.cat([dout, out], dim=-1), groups.team_group, c, op="team_all_gather", wait=False)
-    lse_team = comm.all_gather(lse, groups.team_group, c, op="team_all_gather", wait=False)  # both fly at once
-    return do_out.wait(), lse_team.wait()
-
-
-def _sub_ring_backward_kv(comm, groups, docs, kernel, transfer, q_team, do_out, lse_team, kv_init: PieceTransfer,
-                          *, causal, scale, window=None, tile_rows=None):
-    """Rotation "kv": the forward's sub-ring schedule with the team's query side fixed and
-    K, V circulating with their dK, dV accumulators; step 0 uses each piece of ``kv_init``
-    as it lands. ``q_team [C*n, b, h, dqk]``, ``do_out [C*n, b, h, 2 dv]`` (dO | out),
-    ``lse_team [C*n, b, h]``. Returns ``dq_team [C*n, b, h, dqk]`` and the reverse initial
-    send of ``dkv_init [C*n, b, hkv, dqk + dv]`` (accumulator dtype), started once the
-    accumulators are home. ``tile_rows`` bounds the rows of one kernel call."""
-    topo, pos = groups.topology, groups.startrail_rank
-    acc_dtype = blocks.acc_dtype(q_team.dtype)
-    dqk, dv = q_team.shape[-1], do_out.shape[-1] // 2
-    rows = q_team.shape[0]  # of the team's gathered sequence
-    lanes = sub_ring_lanes(topo, pos, transfer)
-
-    def grads(q, do_o, lse_rows, kv, q_segments, kv_segments, dq, dkv):
-        blocks.backward_step(kernel, q, do_o[..., :dv], do_o[..., dv:], lse_rows, kv, q_segments, kv_segments, dq,
-                             dkv, causal=causal, scale=scale, window=window, tile_rows=tile_rows)
-
-    own_q_segments = _team_segments(groups, docs, topo.team_of(pos))
-    dq_team = q_team.new_zeros(q_team.shape, dtype=acc_dtype)
-    kv_rot = LaneSplit(lanes, rows, lambda origin: _team_segments(groups, docs, topo.kv_team_at_step(origin, 0)))
-
-    def step_kv(step, payloads, part_rows):
-        contrib = []
-        for lane_index, (lane, (kv,), kv_rows) in enumerate(zip(kv_rot.lanes, payloads, part_rows)):
-            dkv = kv.new_zeros(kv.shape, dtype=acc_dtype)
-            kv_segments = kv_rot.part_segments(lane.origin(pos, step), lane_index, kv_rows)
-            grads(q_team, do_out, lse_team, kv, own_q_segments, kv_segments, dq_team, dkv)
-            contrib.append([dkv])
-        return contrib
-
-    home = rotate(comm, kv_rot.lanes, pos, kv_rot.split([kv_init.tensor]), step_kv, op="sub_ring", accumulate=True,
-                  pieces=kv_rot.pieces(kv_init))
-    dkv_init = kv_rot.join([lane_acc[0] for lane_acc in home])
-    return dq_team, ReverseInitialSend(comm, topo, pos, dkv_init, kv_init.bounds)
+        dq, dk, dv = (backward_q if ctx.rotation == "q" else backward_kv)(ctx, dout)
+        return (dq, dk, dv) + (None,) * 11
 
 
 def _window(window_size, causal: bool) -> tuple[int, int] | None:
