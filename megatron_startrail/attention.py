@@ -85,10 +85,14 @@ def _sub_ring_forward(comm, groups, docs, kernel, transfer, q_team, kv_init: Pie
     return acc_out, acc_lse
 
 
-def _team_merge(comm, groups, acc_out, acc_lse, dtype):
-    """Phase 4: member ``m`` merges rows ``[m*n, (m+1)*n)`` of the team's partial results;
-    returns ``out [n, b, h, dv]`` (``dtype``) and ``lse [n, b, h]`` (accumulator dtype)."""
+def _team_merge(comm, groups, partials: list[torch.Tensor], dtype):
+    """Phase 4: member ``m`` merges rows ``[m*n, (m+1)*n)`` of the team's partial results
+    ``partials = [acc_out [b, h, C*n, dv], acc_lse [b, h, C*n]]`` (emptied: they are freed
+    once sent); returns ``out [n, b, h, dv]`` (``dtype``) and ``lse [n, b, h]`` (accumulator
+    dtype)."""
     c = groups.team_size
+    acc_out, acc_lse = partials
+    partials.clear()
     b, h, rows, dv = acc_out.shape
     n = rows // c
     if c == 1:
@@ -97,6 +101,7 @@ def _team_merge(comm, groups, acc_out, acc_lse, dtype):
         # [b, h, C*n, dv] -> [C (destination member), b, h, n, dv]
         parts = acc_out.view(b, h, c, n, dv).permute(2, 0, 1, 3, 4).to(dtype)
         part_lse = acc_lse.view(b, h, c, n).permute(2, 0, 1, 3)
+        del acc_out, acc_lse
         # Both exchanges fly at once.
         parts = comm.all_to_all(parts, groups.team_group, c, op="team_merge", wait=False)
         part_lse = comm.all_to_all(part_lse, groups.team_group, c, op="team_merge", wait=False)
@@ -130,17 +135,23 @@ class _StarTrailAttention(torch.autograd.Function):
         comm = Communicator(fwd_stats, groups.transport, timeline)
         q_team, kv_init = gather_team_and_send(comm, groups, q, k, v, gather_op="team_all_gather",
                                                 send_op="init_send")
-        acc_out, acc_lse = _sub_ring_forward(comm, groups, docs, kernel, transfer, q_team, kv_init,
-                                             causal=causal, scale=scale, window=window)
-        out, lse = _team_merge(comm, groups, acc_out, acc_lse, q.dtype)
-
+        partials = list(_sub_ring_forward(comm, groups, docs, kernel, transfer, q_team, kv_init, causal=causal,
+                                          scale=scale, window=window))
         ctx.regather = regather or regathers_for_free(groups)
+        # What the backward does not take is freed before the merge (peak memory): the team's
+        # Q unless rotation "kv" keeps it, the initial send's K, V when regathering; the
+        # partial results are dropped inside the merge once exchanged.
+        kept_kv = None if ctx.regather else kv_init.tensor
+        kept_q_team = q_team if not ctx.regather and rotation != "q" else None
+        del q_team, kv_init
+        out, lse = _team_merge(comm, groups, partials, q.dtype)
+
         if ctx.regather:
             ctx.save_for_backward(q, k, v, out, lse)
         elif rotation == "q":  # the backward takes the team's queries member by member: keep only this rank's
-            ctx.save_for_backward(q, kv_init.tensor, out, lse)
+            ctx.save_for_backward(q, kept_kv, out, lse)
         else:
-            ctx.save_for_backward(q_team, kv_init.tensor, out, lse)
+            ctx.save_for_backward(kept_q_team, kept_kv, out, lse)
         ctx.groups, ctx.docs, ctx.causal, ctx.scale, ctx.kernel = groups, docs, causal, scale, kernel
         ctx.rotation, ctx.transfer, ctx.bwd_stats, ctx.timeline = rotation, transfer, bwd_stats, timeline
         ctx.window = window

@@ -51,7 +51,11 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor
     lse = torch.logsumexp(lses, dim=0)
     ref = lse.masked_fill(lse.isneginf(), 0.0)
     weights = torch.exp(lses - ref).unsqueeze(-1)  # rows nobody saw: all weights 0
-    return (outs.to(weights.dtype) * weights).sum(dim=0), lse
+    # Summed part by part: one part's product at a time, not C of them (peak memory).
+    out = outs[0].to(weights.dtype) * weights[0]
+    for part, weight in zip(outs[1:], weights[1:]):
+        out.add_(part.to(weights.dtype) * weight)
+    return out, lse
 
 
 def take_rows(kv: torch.Tensor, ranges: tuple[tuple[int, int], ...]) -> torch.Tensor:
