@@ -23,6 +23,8 @@ streamed in C passes of one member's rows, Note [streamed rotation q] in backwar
     p2p sent    (G-1) C ((Eq + 2 Eo) e + El a) + [G>1] G C Eq a + init C Ekv a
     collective  as "kv" below, + (C-1) Eq e  (Q broadcast in the team: the forward keeps
                                               only this rank's)
+              + [G=1] (C-1)^2 ((Eq + 2 Eo) e + El a + Eq a)  (the query side and dQ once
+                                              per piece of K, V: Note [piece-major rotation q])
     steps       C [G>1] G + init
 backward, rotation "kv" (K, V and dK, dV circulate; cheaper with GQA)
     p2p sent    (G-1) C Ekv e + [G>1] G C Ekv a + init C Ekv a
@@ -185,6 +187,8 @@ def expected_comm(
     bwd_steps = passes * (g if g > 1 else 0) + init
     if rotation == "q":
         bwd_coll += (c - 1) * eq * e
+        if g == 1:  # Note [piece-major rotation q]: the query side broadcast, dQ reduced, once per piece
+            bwd_coll += (c - 1) * (c - 1) * ((eq + 2 * eo) * e + e_lse * a + eq * a)
     if regather_in_backward:  # phases 1-2 again
         bwd_coll += gather_inputs - ((c - 1) * eq * e if rotation == "q" else 0)
         bwd_p2p += init_send

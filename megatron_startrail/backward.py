@@ -19,7 +19,7 @@ from .comm import Communicator
 from .initial_send import PieceTransfer, ReverseInitialSend
 from .layout import segment_rows
 from .schedule import rotate
-from .team import gather_team_and_send, team_segments
+from .team import StreamedTeamSend, gather_team_and_send, team_segments
 from .transfer import LaneSplit, sub_ring_lanes
 
 
@@ -59,6 +59,8 @@ def backward_q(ctx, dout):
     of this rank (the inputs' dtype)."""
     groups = ctx.groups
     comm = Communicator(ctx.bwd_stats, groups.transport, ctx.timeline)
+    if groups.topology.sub_ring_size == 1 and groups.team_size > 1:
+        return _backward_q_piece_major(ctx, comm, dout)
     if ctx.regather:  # phase 2 again (K, V only: the queries come member by member)
         q, k, v, out, lse = ctx.saved_tensors
         _, kv_init = gather_team_and_send(comm, groups, q, k, v, gather_op="regather_team_all_gather",
@@ -180,6 +182,81 @@ def _sub_ring_backward_q(comm, groups, docs, kernel, transfer, q, dout, out, lse
         del dq_i
     reducer.through(c - 1)
     return dq, reducer.mine
+
+
+# Note [piece-major rotation q]
+# -----------------------------
+# When the sub-ring has one position (P = C^2 StarTrail ranks: G = 1), nothing circulates:
+# each position pairs the team's queries with the C pieces of K, V its initial send
+# delivered. Streaming the queries member by member (Note [streamed rotation q]) still
+# holds all C pieces and their float32 dK, dV (4 C shares of a rank's q with MHA). The
+# loops swap instead: pieces outside, members inside,
+#
+#     piece j of K, V (n rows)          kept, or with regathering: team broadcast from
+#                                       member j, sent on to init_send_dst while piece j-1
+#                                       computes (team.StreamedTeamSend)
+#       team broadcast from member i    q_i, dO_i, out_i, lse_i, for i = 0 .. C-1
+#       team reduce to member i         dQ_i of (i, j), added into member i's dQ
+#       dK, dV of piece j accumulate
+#     reverse initial send of piece j   as soon as its C members are done; reduced in the
+#                                       team one piece behind
+#
+# and each block's dQ is reduced to its member at once, so that one piece of K, V and its
+# dK, dV and one member's dQ are live at a time (with regathering; without, the forward kept
+# the C pieces). What it costs: the query side is broadcast and dQ reduced C times per
+# backward instead of once, (C-1)^2 ((Eq + 2 Eo) e + El a + Eq a) more bytes inside the
+# team (accounting.expected_comm); the inter-node bytes and steps are unchanged.
+
+
+def _backward_q_piece_major(ctx, comm, dout):
+    """Rotation "q" on a sub-ring of one position (Note [piece-major rotation q]); returns
+    ``dq, dk, dv`` of this rank (the inputs' dtype)."""
+    groups, docs = ctx.groups, ctx.docs
+    topo, pos, c = groups.topology, groups.startrail_rank, groups.team_size
+    if ctx.regather:
+        q, k, v, out, lse = ctx.saved_tensors
+        # Phase 2 again, one piece at a time, each freed once its members are done.
+        kv_pieces = StreamedTeamSend(comm, groups, k, v, gather_op="regather_team_all_gather",
+                                     send_op="regather_init_send", whole=False)
+    else:
+        q, kv_team, out, lse = ctx.saved_tensors
+        kv_pieces = PieceTransfer.local(kv_team, c)
+    member, n, dtype, dqk = topo.member_of(pos), q.shape[0], q.dtype, q.shape[-1]
+    acc_dtype = blocks.acc_dtype(dtype)
+    own_side = [q, dout.contiguous(), out, lse]  # [n, b, h, dqk], [n, b, h, dv] x 2, [n, b, h]
+    team_rows = team_segments(groups, docs, topo.team_of(pos))
+    kv_rows = team_segments(groups, docs, topo.kv_team_at_step(pos, 0))
+    bounds = [(j * n, (j + 1) * n) for j in range(c)]
+    reverse = ReverseInitialSend(comm, topo, pos, None, bounds)
+    reducer = _ReverseReduce(comm, groups, reverse)
+    dq = q.new_zeros(q.shape, dtype=acc_dtype)  # [n, b, h, dqk]: this member's, summed over the team
+    for j, (a, b) in enumerate(bounds):
+        kv = kv_pieces.piece(j)  # [n, b, hkv, dqk + dv]
+        dkv = kv.new_zeros(kv.shape, dtype=acc_dtype)
+        for i in range(c):
+            side = own_side if member == i else [torch.empty_like(t) for t in own_side]
+            pending = [comm.broadcast(t, groups.team_group, c, src=i, mine=member == i, op="team_broadcast",
+                                      wait=False) for t in side]
+            side = [p.wait() for p in pending]
+            del pending
+            dq_part = q.new_zeros(q.shape, dtype=acc_dtype)
+            blocks.backward_step(ctx.kernel, *side, kv, segment_rows(team_rows, i * n, (i + 1) * n),
+                                 segment_rows(kv_rows, a, b), dq_part, dkv, causal=ctx.causal, scale=ctx.scale,
+                                 window=ctx.window, tile_rows=n)
+            del side
+            # Reduced to member i at once: one member's dQ buffer live, not C of them.
+            dq_part = comm.reduce(dq_part, groups.team_group, c, dst=i, mine=member == i, op="team_reduce")
+            if member == i:
+                dq.add_(dq_part)
+            del dq_part
+        kv_pieces.release(j)
+        del kv
+        reducer.through(j - 1)  # the previous piece has had this piece's compute to land
+        reverse.send(j, dkv)  # after: its landing buffer is made once the previous one is freed
+        del dkv
+    reducer.through(c - 1)
+    dkv = reducer.mine
+    return dq.to(dtype), dkv[..., :dqk].to(dtype), dkv[..., dqk:].to(dtype)
 
 
 # -- the backward's own phases (rotation "kv") ------------------------------------------------

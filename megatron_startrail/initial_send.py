@@ -36,6 +36,9 @@ class PieceTransfer:
         a, b = self.bounds[j]
         return self.tensor[a:b]
 
+    def release(self, j: int) -> None:
+        """Piece ``j`` is done with: nothing to free (the pieces are views of one tensor)."""
+
     def wait(self) -> torch.Tensor:
         for j in range(len(self.bounds)):
             self.piece(j)
@@ -66,19 +69,26 @@ class ReverseInitialSend:
     here (the team's dK, dV of member ``j``'s rows, from this rank's sub-ring). Receive
     buffers are made piece by piece, when posted: not the whole ``C*n`` rows at once."""
 
-    def __init__(self, comm: Communicator, topo: StarTrailTopology, pos: int, dkv_init: torch.Tensor,
+    def __init__(self, comm: Communicator, topo: StarTrailTopology, pos: int, dkv_init: torch.Tensor | None,
                  bounds: list[tuple[int, int]], *, op: str = "init_send_reverse") -> None:
         self._comm, self._op, self._dkv, self._bounds = comm, op, dkv_init, bounds
         self._dst, self._src = topo.init_send_dst(pos), topo.init_send_src(pos)
         self._local = self._dst == pos  # the initial send mapped this rank to itself: nothing moves
-        self._posted: dict[int, tuple[PendingP2P, torch.Tensor]] = {}
+        self._posted: dict[int, tuple[PendingP2P | None, torch.Tensor | None]] = {}
 
-    def send(self, j: int) -> None:
-        if j in self._posted or self._local:  # posted, or nothing to move
+    def send(self, j: int, rows: torch.Tensor | None = None) -> None:
+        """Post piece ``j``: rows ``bounds[j]`` of ``dkv_init``, or ``rows`` when the pieces
+        are separate tensors (``dkv_init=None``: the piece-major backward)."""
+        if j in self._posted:
             return
-        a, b = self._bounds[j]
-        back = torch.empty_like(self._dkv[a:b])
-        pending = self._comm.post([(self._dkv[a:b], self._src)], [(back, self._dst)], op=self._op, channel="side",
+        if rows is None:
+            a, b = self._bounds[j]
+            rows = self._dkv[a:b]
+        if self._local:  # nothing to move: the piece is this rank's own
+            self._posted[j] = (None, rows)
+            return
+        back = torch.empty_like(rows)
+        pending = self._comm.post([(rows, self._src)], [(back, self._dst)], op=self._op, channel="side",
                                   counts_as_step=not self._posted)
         self._posted[j] = (pending, back)
 
@@ -87,14 +97,11 @@ class ReverseInitialSend:
         posted first, in order, as every peer posts them; later ones may not be final yet)."""
         for i in range(j + 1):
             self.send(i)
-        if self._local:
-            a, b = self._bounds[j]
-            return self._dkv[a:b]
         pending, back = self._posted[j]
-        pending.wait()
+        if pending is not None:
+            pending.wait()
         return back
 
     def release(self, j: int) -> None:
         """Piece ``j`` is done with (its buffers may go)."""
-        if not self._local:
-            self._posted[j] = (self._posted[j][0], None)
+        self._posted[j] = (self._posted[j][0], None)

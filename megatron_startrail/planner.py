@@ -258,8 +258,10 @@ def _schedule_layer(cluster: ClusterSpec, work: Workload, cp_size: int, team_siz
     reverse = initial_send(c * ekv * a)
     if c > 1:
         query_side = (2 * eo + (eq if rotation == "q" else 0)) * e + el * a  # [q,] dO, out, lse
-        phases.append(cluster.collective_time(teams, (c - 1) * query_side))
-        dq = cluster.collective_time(teams, (c - 1) * eq * a)
+        # Note [piece-major rotation q]: with one position per sub-ring, once per piece of K, V.
+        per_piece = c if rotation == "q" and g == 1 else 1
+        phases.append(cluster.collective_time(teams, per_piece * (c - 1) * query_side))
+        dq = cluster.collective_time(teams, per_piece * (c - 1) * eq * a)
         phases.append((max(reverse[0], dq[0]), reverse[1] + dq[1]))
         phases.append(cluster.collective_time(teams, (c - 1) * ekv * a))
     else:

@@ -1,0 +1,93 @@
+"""Rotation "q" on sub-rings of one position (G = 1: P = 4 with C = 2, P = 16 with C = 4)
+runs piece-major (Note [piece-major rotation q] in megatron_startrail/backward.py): pieces
+of K, V outside, the team's query side broadcast inside, and with regathering the
+initial send streamed piece by piece (team.StreamedTeamSend).
+
+Against float64 attention: MHA, GQA and MQA with MLA head dims, causal and not, a window
+longer than a chunk, packed documents in both layouts; regathering on and off gives
+bitwise the same result; the byte counters equal the closed forms (which count the
+query side broadcast once per piece). NaN-poisoned empty memory, NCCL rules checked by
+the harness.
+"""
+
+import pytest
+import torch
+
+from megatron_startrail import new_startrail_groups, startrail_attn
+from megatron_startrail.accounting import AttentionShape, expected_comm
+from tests.attention_cases import TOLERANCE, local_rows, reference_with_grads, relative_error
+from tests.multiproc import run_ranks
+from tests.test_packed_documents import run_packed_case
+from tests.test_regather_and_mla import CHUNK, HEAD_CASES, HEADS, STAT_FIELDS, mla_inputs, run
+
+
+def comm_failures(groups, world_size, shape, regather, case):
+    want = expected_comm(shape, cp_size=world_size, team_size=groups.team_size, startrail_rank=groups.startrail_rank,
+                         rotation="q", regather_in_backward=regather)
+    failures = []
+    for phase, stats in (("forward", groups.last_forward_stats), ("backward", groups.last_backward_stats)):
+        measured = {f: getattr(stats, f) for f in STAT_FIELDS}
+        if measured != want[phase]:
+            failures.append(f"{case}: {phase} comm {measured} != closed form {want[phase]}")
+    return failures
+
+
+def piece_major_worker(rank, world_size, team_size):
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True  # NaN-poisoned empty memory
+    groups = new_startrail_groups(team_size=team_size, backward_rotation="q")
+    assert groups.topology.sub_ring_size == 1
+    failures, checked = [], 0
+    seq = 2 * world_size * CHUNK
+    # (head dims, kv heads, causal, window): a window between a chunk (CHUNK rows per zigzag
+    # half) and the sequence takes the StarTrail schedule with masked blocks, not the halo.
+    cases = [(case, n != 2, None) for n, case in enumerate(HEAD_CASES)] + [(HEAD_CASES[1], True, (3 * CHUNK, 0))]
+    for n, ((dqk, dv, kv_heads), causal, window) in enumerate(cases):
+        full = mla_inputs(50 + 7 * n + team_size, seq, kv_heads, dqk, dv)
+        if window is None:
+            ref = reference_with_grads(*full, causal, dqk**-0.5)
+        else:
+            from tests.test_window import windowed_reference
+            ref = windowed_reference(*full, torch.zeros(seq, dtype=torch.long), torch.arange(seq), window, causal,
+                                     dqk**-0.5)
+        ref = [local_rows(t, rank, world_size) for t in ref]
+        results = {}
+        for regather in (False, True):
+            case = f"P={world_size} C={team_size} dqk={dqk} dv={dv} kv_heads={kv_heads} causal={causal} " \
+                   f"window={window} regather={regather}"
+            if window is None:
+                got, _ = run(groups, rank, world_size, full, regather=regather, causal=causal)
+            else:
+                q, k, v, dout = (local_rows(t, rank, world_size).float() for t in full)
+                q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+                out = startrail_attn(q, k, v, groups, causal=causal, softmax_scale=dqk**-0.5, window_size=window,
+                                     regather_in_backward=regather)
+                out.backward(dout)
+                got = (out.detach(), q.grad, k.grad, v.grad)
+            results[regather] = got
+            for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref):
+                err = relative_error(g, r)
+                if not err <= TOLERANCE[torch.float32]:  # also catches NaN
+                    failures.append(f"{case}: {name} error {err:.3g}")
+            if window is None:
+                shape = AttentionShape(2 * CHUNK, 1, HEADS, kv_heads, dqk, 4, v_head_dim=dv)
+                failures += comm_failures(groups, world_size, shape, regather, case)
+            checked += 1
+        if not all(torch.equal(a, b) for a, b in zip(results[False], results[True])):
+            failures.append(f"P={world_size} C={team_size} case {n}: regathering changed the result")
+    for layout in ("sample", "document"):
+        for regather in (False, True):
+            errors, pad_nonzero, _ = run_packed_case(groups, rank, world_size, layout, True, 2, torch.float32, 9,
+                                                     thd=True, regather=regather)
+            if not max(errors.values()) <= TOLERANCE[torch.float32] or pad_nonzero:
+                failures.append(f"packed {layout} regather={regather}: errors {errors}, {pad_nonzero} nonzero padding")
+            checked += 1
+    return failures, checked
+
+
+@pytest.mark.parametrize("world_size, team_size", [(4, 2), (16, 4)])
+def test_piece_major_rotation_q_matches_float64_and_closed_form_comm(world_size, team_size):
+    results = run_ranks(piece_major_worker, world_size, args=(team_size,), timeout=600)
+    failures = sorted({f for fails, _ in results for f in fails})
+    assert not failures, "\n".join(failures[:40])
+    assert all(n == 2 * (len(HEAD_CASES) + 1) + 4 for _, n in results)
