@@ -26,6 +26,7 @@ Writes ``OUT.json`` and ``OUT.md``; ``--from-json`` rewrites the table of a save
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -62,6 +63,7 @@ def peak_worker(rank, world_size, configs, seq, heads, dim):
             return kept
 
         step()  # warm-up: first-call allocations (kernel selection, caches) stay out of the peak
+        gc.collect()  # garbage of earlier calls freed now, not during the measurement (it would count as negative)
         q, k, v = (t.clone().requires_grad_(True) for t in (q0, k0, v0))
 
         def measured():
@@ -78,10 +80,11 @@ def name(team_size: int, regather: bool, rotation: str) -> str:
 
 
 def run(world_sizes: list[int], team_sizes: list[int], seq: int, heads: int, dim: int, timeout: float,
-        repeats: int = 1) -> list[dict]:
+        repeats: int = 1, rotations: tuple[str, ...] = ("auto", "q")) -> list[dict]:
     """Rows of the table; with ``repeats``, each configuration's peak is the median of that
-    many runs (which transfers complete together varies on gloo, and so does the peak)."""
-    runs = [_run_once(world_sizes, team_sizes, seq, heads, dim, timeout) for _ in range(repeats)]
+    many runs (which transfers complete together varies on gloo, and so does the peak).
+    ``rotations``: the backward rotations of the StarTrail configurations."""
+    runs = [_run_once(world_sizes, team_sizes, seq, heads, dim, timeout, rotations) for _ in range(repeats)]
     rows = runs[0]
     for index, row in enumerate(rows):
         peaks = sorted(run[index]["peak_live_bytes"] for run in runs)
@@ -90,14 +93,14 @@ def run(world_sizes: list[int], team_sizes: list[int], seq: int, heads: int, dim
     return rows
 
 
-def _run_once(world_sizes, team_sizes, seq, heads, dim, timeout) -> list[dict]:
+def _run_once(world_sizes, team_sizes, seq, heads, dim, timeout, rotations) -> list[dict]:
     from tests.multiproc import run_ranks  # noqa: PLC0415 - forked gloo ranks, as in the tests
 
     rows = []
     for world, c in zip(world_sizes, team_sizes):
         # "auto" takes the backward rotation that moves fewer bytes ("kv" for this float32 MHA
         # workload, by the lse); "q" streams the team's query side member by member.
-        configs = [(1, False, "auto"), (c, False, "auto"), (c, True, "auto"), (c, False, "q"), (c, True, "q")]
+        configs = [(1, False, "auto")] + [(c, regather, r) for r in rotations for regather in (False, True)]
         per_rank = run_ranks(peak_worker, world, args=(configs, seq, heads, dim), timeout=timeout)
         shape = AttentionShape(seq // world, 1, heads, heads, dim, 4)
         for index, (team, regather, rotation) in enumerate(configs):

@@ -7,17 +7,26 @@ sizes; team size ``C``; sub-ring length ``G``; ``init`` = 1 unless the initial s
 the rank to itself). Counted: every tensor the attention allocates (the caller's q, k, v
 and dO are not), at the moment its phase holds the most (docs/design.md, "Memory")::
 
-    forward, sub-ring step 0     C Eq e  (team Q; 0 for C = 1)   + C Ekv e (team K|V)
-                                 + init C Ekv e (initial send landing) + [G>1] C Ekv e (next hop)
+    phases 1-2                   C Ekv e (the initial send's landing) + init 2 Ekv e (two
+                                 pieces being sent; C = 1: init Ekv e and this rank's k | v)
+    forward, sub-ring step 0     C Eq e  (team Q; 0 for C = 1)   + phases 1-2
+                                 + [G>1] C Ekv e (next hop)
                                  + C (Eo + El) a (partial out, lse)    + kernel tile
-    backward, rotation "kv"      kept + [regathered] team Q, K|V + init C Ekv e (landing)
+    backward, rotation "kv"      kept + [regathered] team Q, phases 1-2
                                  + C 2 Eo e + C El a  (team dO | out, lse)
                                  + C Eq a (dQ) + held K|V + 3 C Ekv a (dK|dV: this step's,
                                    the one received, the one still being sent)
-    backward, rotation "q"       kept + [regathered] team K|V + init C Ekv e
+                                 + init C Ekv a (the reverse initial send landing)
+    backward, rotation "q"       kept + [regathered] phases 1-2
     (streamed per member)        + C Ekv a (the fixed dK|dV) + one member's (Eq + 2 Eo) e + El a
                                  + its held copies + 3 Eq a (its dQ accumulators)
-    both                         + init C Ekv a (the reverse initial send landing) + kernel tile
+                                 + init C Ekv a (the reverse initial send landing)
+    backward, rotation "q",      kept + one member's (Eq + 2 Eo) e + El a + 2 Eq a (dQ)
+    G = 1 (piece-major)          + the most, over pieces j, of [regathered] (1 + [j<C-1](1 +
+                                 init)) Ekv e (pieces of K, V) + (1 + [j>=1](1 + init) +
+                                 [j>=2]) Ekv a (dK|dV: piece j's, [the previous one's sent and
+                                 back], own rows)
+    both                         + kernel tile
 
 "held" is a second copy of the circulating payload once it has moved (``G > 1``), two
 while the next one lands (``G > 2``). The kernel tile is one call's gradients (rows of one
@@ -54,24 +63,40 @@ def layer_memory_bytes(shape: AttentionShape, *, cp_size: int, team_size: int, u
 
     team_q = c * eq * e if c > 1 else 0
     team_kv = c * ekv * e
-    forward = (ulysses + team_q + team_kv + init * team_kv + (team_kv if g > 1 else 0)
+    # Phase 2 (Note [streamed initial send] in team.py): with C > 1 the team's K, V are
+    # broadcast a piece at a time into the send, two pieces held for sending, and land whole;
+    # with C = 1 this rank's k | v is sent as it is, to a landing of its own.
+    sending = init * (2 * ekv * e if c > 1 else team_kv)
+    phases_1_2 = team_kv + sending
+    forward = (ulysses + team_q + phases_1_2 + (team_kv if g > 1 else 0)
                + c * (eo + el) * a + (eo + el) * a)
 
     held_copies = 0 if g == 1 else (1 if g == 2 else 2)
     accumulators = 3 if g > 1 else 1  # this step's, the one received, the one still being sent
     reverse = init * c * ekv * a  # the reverse initial send's landing pieces, at the end
     if rotation == "kv":
-        regathered = (team_q + team_kv * (1 + init)) if regathers else 0
+        regathered = (team_q + phases_1_2) if regathers else 0
         query_side = c * 2 * eo * e + (c * el * a if c > 1 else 0)
         rotating = c * eq * a + held_copies * team_kv + accumulators * c * ekv * a
         backward = ulysses + kept + regathered + query_side + rotating + reverse
-    else:  # Note [streamed rotation q]: one member's query side at a time, K, V fixed
+    else:
         if not regathers and u == 1:
             kept -= eq * e  # rotation "q" keeps this rank's own q: the caller's tensor
-        regathered = team_kv * (1 + init) if regathers else 0
         side = (eq + 2 * eo) * e + el * a  # one member's q, dO, out, lse
-        passing = (side if c > 1 else 0) + held_copies * side + accumulators * eq * a
-        backward = ulysses + kept + regathered + c * ekv * a + passing + reverse
+        if g == 1 and c > 1:  # Note [piece-major rotation q]: one piece of K, V at a time
+            # While piece j computes: K, V regathered: piece j, [the next one landing and
+            # its send buffer]; dK, dV: piece j's, [the previous piece's, still being sent,
+            # and its reverse landing; this rank's own rows once reduced]. dQ: this
+            # member's and one block's.
+            def pieces(j: int) -> int:
+                kv = (1 + (j < c - 1) * (1 + init)) * ekv * e if regathers else 0
+                return kv + (1 + (j >= 1) * (1 + init) + (j >= 2)) * ekv * a
+
+            backward = ulysses + kept + max(pieces(j) for j in range(c)) + side + 2 * eq * a
+        else:  # Note [streamed rotation q]: one member's query side at a time, K, V fixed
+            regathered = phases_1_2 if regathers else 0
+            passing = (side if c > 1 else 0) + held_copies * side + accumulators * eq * a
+            backward = ulysses + kept + regathered + c * ekv * a + passing + reverse
     backward += (eq + ekv) * a  # one kernel call's gradients
     return {"kept": kept, "forward_peak": forward, "backward_peak": backward, "peak": max(forward, backward)}
 
