@@ -199,7 +199,10 @@ def _sub_ring_backward_q(comm, groups, docs, kernel, transfer, q, dout, out, lse
 #       team reduce to member i         dQ_i of (i, j), added into member i's dQ
 #       dK, dV of piece j accumulate
 #     reverse initial send of piece j   as soon as its C members are done; reduced in the
-#                                       team one piece behind
+#                                       team one piece behind, while piece j+1 computes
+#                                       (serial_reverse_send: before it, so that piece j's
+#                                       buffers are gone first; the transfer, which may
+#                                       cross nodes, is then no longer hidden)
 #
 # and each block's dQ is reduced to its member at once, so that one piece of K, V and its
 # dK, dV and one member's dQ are live at a time (with regathering; without, the forward kept
@@ -230,7 +233,10 @@ def _backward_q_piece_major(ctx, comm, dout):
     reverse = ReverseInitialSend(comm, topo, pos, None, bounds)
     reducer = _ReverseReduce(comm, groups, reverse)
     dq = q.new_zeros(q.shape, dtype=acc_dtype)  # [n, b, h, dqk]: this member's, summed over the team
+    serial = groups.config.serial_reverse_send
     for j, (a, b) in enumerate(bounds):
+        if serial:  # the previous piece's dK, dV home (and freed) before this piece computes
+            reducer.through(j - 1)
         kv = kv_pieces.piece(j)  # [n, b, hkv, dqk + dv]
         dkv = kv.new_zeros(kv.shape, dtype=acc_dtype)
         for i in range(c):

@@ -28,6 +28,10 @@ class StarTrailConfig:
     transfer: str = "ring"  # the sub-ring, or TASP's multi-ring [--startrail-transfer; tasp: multiring]
     regather_in_backward: bool = False  # keep ring attention's tensors only [--startrail-regather-in-backward]
     kernel: str = "auto"  # block kernel [--startrail-kernel]
+    # Sub-rings of one position, rotation "q" (Note [piece-major rotation q]): each piece's
+    # dK, dV come home before the next piece computes -- a lower peak, the reverse send no
+    # longer hidden behind compute [--startrail-serial-reverse-send]
+    serial_reverse_send: bool = False
 
     def __post_init__(self) -> None:
         for name, flag in (("team_size", "--startrail-team-size"), ("ulysses_size", "--ulysses-degree-in-cp")):
@@ -39,5 +43,7 @@ class StarTrailConfig:
                                     ("kernel", "--startrail-kernel", KERNELS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} ({flag}) is not one of {allowed}")
-        if not isinstance(self.regather_in_backward, bool):
-            raise ValueError(f"regather_in_backward={self.regather_in_backward!r} must be a bool")
+        for name, flag in (("regather_in_backward", "--startrail-regather-in-backward"),
+                           ("serial_reverse_send", "--startrail-serial-reverse-send")):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} ({flag}) must be a bool")

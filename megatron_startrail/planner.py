@@ -118,6 +118,7 @@ class Prediction:
     # ... plus, at the peak, one layer's forward or backward buffers (memory_model.py)
     peak_bytes: int = 0
     rotation: str = "auto"  # the backward rotation asked for ("q": streamed, the lowest peak)
+    serial_reverse_send: bool = False  # piece-major "q": each piece's dK, dV home before the next
 
     @property
     def name(self) -> str:
@@ -129,6 +130,8 @@ class Prediction:
             core += "-regather"
         if self.rotation != "auto":
             core += f"-rot{self.rotation}"
+        if self.serial_reverse_send:
+            core += "-serial"
         return core if self.ulysses_size == 1 else f"ulysses-{self.ulysses_size}x{core}"
 
 
@@ -140,7 +143,7 @@ def overlapped_steps(overlap: float, compute: list[float], transfer: list[float]
 
 def predict(cluster: ClusterSpec, work: Workload, cp_size: int, team_size: int, ulysses_size: int = 1,
             transfer: str = "ring", regather_in_backward: bool = False, *, halo_exchange: bool = True,
-            rotation: str = "auto") -> Prediction:
+            rotation: str = "auto", serial_reverse_send: bool = False) -> Prediction:
     """Predicted forward+backward time of one attention layer on one CP group, and the
     bytes ``work.layers`` such layers keep for backward on one rank. With ``work.window``:
     time, compute and inter-node bytes are the mean per layer over the mix of windowed and
@@ -149,16 +152,16 @@ def predict(cluster: ClusterSpec, work: Workload, cp_size: int, team_size: int, 
     args = (cp_size, team_size, ulysses_size, transfer, regather_in_backward)
     if work.window is not None and normalize_window(work.window, work.causal) is None:
         work = dataclasses.replace(work, window=None)  # a window that bounds nothing (startrail_attn's rule)
+    schedule = dict(rotation=rotation, serial_reverse_send=serial_reverse_send)
     if work.window is None:
-        return _schedule_layer(cluster, work, *args, rotation=rotation)
+        return _schedule_layer(cluster, work, *args, **schedule)
     windowed, full = window_layers(work.layers, work.window_skip_freq)
     one, parts = dataclasses.replace(work, layers=1), []
     if windowed:
         parts.append((windowed, (halo_exchange and _halo_layer(cluster, one, *args)) or
-                      _schedule_layer(cluster, one, *args, rotation=rotation)))
+                      _schedule_layer(cluster, one, *args, **schedule)))
     if full:
-        parts.append((full, _schedule_layer(cluster, dataclasses.replace(one, window=None), *args,
-                                            rotation=rotation)))
+        parts.append((full, _schedule_layer(cluster, dataclasses.replace(one, window=None), *args, **schedule)))
     mean = lambda field: sum(n * getattr(p, field) for n, p in parts) / work.layers  # noqa: E731
     kept = sum(n * p.activation_bytes for n, p in parts)
     transient = max(p.peak_bytes - p.activation_bytes for _, p in parts)  # one layer runs at a time
@@ -193,7 +196,7 @@ def _halo_layer(cluster: ClusterSpec, work: Workload, cp_size: int, team_size: i
 
 def _schedule_layer(cluster: ClusterSpec, work: Workload, cp_size: int, team_size: int, ulysses_size: int = 1,
                     transfer: str = "ring", regather_in_backward: bool = False, *,
-                    rotation: str = "auto") -> Prediction:
+                    rotation: str = "auto", serial_reverse_send: bool = False) -> Prediction:
     """One layer through the StarTrail schedule (compute from :meth:`Workload.attention_flops`,
     windowed with ``work.window``: the window skips blocks, never transfers; the model
     spreads its compute evenly over the steps)."""
@@ -275,7 +278,8 @@ def _schedule_layer(cluster: ClusterSpec, work: Workload, cp_size: int, team_siz
     total -= pipelined(init_fwd[0][0], compute_fwd / g)
     if regather_in_backward:
         total -= pipelined(init_fwd[0][0], compute_bwd / g)
-    if rotation == "q":  # dK, dV go back piece by piece during the last step
+    serial = serial_reverse_send and rotation == "q" and g == 1 and c > 1
+    if rotation == "q" and not serial:  # dK, dV go back piece by piece during the last step
         total -= pipelined(reverse[0], compute_bwd / g)
         # Note [streamed rotation q]: C passes of the sub-ring, one member's rows each: the
         # same bytes, C times the sequential rounds (each one latency more).
@@ -288,20 +292,24 @@ def _schedule_layer(cluster: ClusterSpec, work: Workload, cp_size: int, team_siz
     kept = work.layers * kept_for_backward_bytes(shape, ulysses_size=u, team_size=c,
                                                  regather_in_backward=regather_in_backward, rotation=rotation)
     peak = activation_peak_bytes(shape, layers=work.layers, cp_size=cp_size, team_size=c, ulysses_size=u,
-                                 regather_in_backward=regather_in_backward, rotation=rotation)
+                                 regather_in_backward=regather_in_backward, rotation=rotation,
+                                 serial_reverse_send=serial)
     return Prediction(u, c, transfer, total, compute, max(0.0, total - compute), sum(b for _, b in phases),
-                      regather_in_backward and c > 1, kept, peak)
+                      regather_in_backward and c > 1, kept, peak, serial_reverse_send=serial)
 
 
 def _fitting(cluster, work, cp_size, c, u, transfer, memory_limit_bytes,
              rotations=("auto", "q")) -> Prediction | None:
     """The prediction for (U, C, transfer) within the memory limit: as it is if that fits,
     else with the backward rotation "q" (streamed: a lower peak, the same bytes), else
-    regathering (ring attention keeps the same either way), else both; else None."""
-    options = [(False, r) for r in rotations] + ([(True, r) for r in rotations] if c > 1 else [])
-    for regather, rotation in options:
-        pred = dataclasses.replace(predict(cluster, work, cp_size, c, u, transfer, regather, rotation=rotation),
-                                   rotation=rotation)
+    with its reverse send serial (sub-rings of one position: a lower peak, the reverse send
+    no longer hidden), else regathering (ring attention keeps the same either way), else
+    both; else None."""
+    options = [(regather, r, serial) for regather in ((False, True) if c > 1 else (False,))
+               for r in rotations for serial in (False, True)]
+    for regather, rotation, serial in options:
+        pred = dataclasses.replace(predict(cluster, work, cp_size, c, u, transfer, regather, rotation=rotation,
+                                           serial_reverse_send=serial), rotation=rotation)
         if memory_limit_bytes is None or pred.peak_bytes <= memory_limit_bytes:
             return pred
     return None

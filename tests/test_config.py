@@ -25,5 +25,7 @@ def test_it_is_frozen_and_compares_by_value():
         config.team_size = 4
     assert config == StarTrailConfig(2, 1, "auto", "multiring", True, "auto")
     assert hash(config) == hash(StarTrailConfig(2, 1, "auto", "multiring", True, "auto"))
-    with pytest.raises(ValueError, match="regather_in_backward"):
+    with pytest.raises(ValueError, match="regather_in_backward.*--startrail-regather-in-backward"):
         StarTrailConfig(regather_in_backward="yes")
+    with pytest.raises(ValueError, match="serial_reverse_send.*--startrail-serial-reverse-send"):
+        StarTrailConfig(serial_reverse_send=1)
