@@ -187,7 +187,7 @@ def expected_comm(
     bwd_steps = passes * (g if g > 1 else 0) + init
     if rotation == "q":
         bwd_coll += (c - 1) * eq * e
-        if g == 1:  # Note [piece-major rotation q]: the query side broadcast, dQ reduced, once per piece
+        if topo.one_position_sub_rings:  # Note [piece-major rotation q]: query side and dQ once per piece
             bwd_coll += (c - 1) * (c - 1) * ((eq + 2 * eo) * e + e_lse * a + eq * a)
     if regather_in_backward:  # phases 1-2 again
         bwd_coll += gather_inputs - ((c - 1) * eq * e if rotation == "q" else 0)

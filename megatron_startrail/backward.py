@@ -59,7 +59,7 @@ def backward_q(ctx, dout):
     of this rank (the inputs' dtype)."""
     groups = ctx.groups
     comm = Communicator(ctx.bwd_stats, groups.transport, ctx.timeline)
-    if groups.topology.sub_ring_size == 1 and groups.team_size > 1:
+    if groups.topology.one_position_sub_rings:
         return _backward_q_piece_major(ctx, comm, dout)
     if ctx.regather:  # phase 2 again (K, V only: the queries come member by member)
         q, k, v, out, lse = ctx.saved_tensors
@@ -74,6 +74,18 @@ def backward_q(ctx, dout):
     del kv_init
     dk, dv = dkv[..., :dqk].to(dtype), dkv[..., dqk:].to(dtype)
     return dq.to(dtype), dk, dv
+
+
+def _member_side(comm, groups, own_side: list[torch.Tensor], i: int) -> list[torch.Tensor]:
+    """Member ``i``'s ``q, dO, out, lse`` (``own_side`` on member ``i`` itself), team-broadcast
+    from it, the four at once."""
+    c, mine = groups.team_size, groups.topology.member_of(groups.startrail_rank) == i
+    side = own_side if mine else [torch.empty_like(t) for t in own_side]
+    if c == 1:
+        return side
+    pending = [comm.broadcast(t, groups.team_group, c, src=i, mine=mine, op="team_broadcast", wait=False)
+               for t in side]
+    return [p.wait() for p in pending]
 
 
 class _ReverseReduce:
@@ -146,11 +158,7 @@ def _sub_ring_backward_q(comm, groups, docs, kernel, transfer, q, dout, out, lse
     lanes = sub_ring_lanes(topo, pos, transfer)
     dq = None
     for i in range(c):
-        side = own_side if member == i else [torch.empty_like(t) for t in own_side]
-        if c > 1:
-            pending = [comm.broadcast(t, groups.team_group, c, src=i, mine=member == i, op="team_broadcast",
-                                      wait=False) for t in side]
-            side = [p.wait() for p in pending]
+        side = _member_side(comm, groups, own_side, i)
         # The rows of member i of the team at ``origin`` (Note [documents]: members in order).
         q_rot = LaneSplit(lanes, n, lambda origin, i=i: segment_rows(
             team_segments(groups, docs, topo.team_of(origin)), i * n, (i + 1) * n))
@@ -229,22 +237,17 @@ def _backward_q_piece_major(ctx, comm, dout):
     own_side = [q, dout.contiguous(), out, lse]  # [n, b, h, dqk], [n, b, h, dv] x 2, [n, b, h]
     team_rows = team_segments(groups, docs, topo.team_of(pos))
     kv_rows = team_segments(groups, docs, topo.kv_team_at_step(pos, 0))
-    bounds = [(j * n, (j + 1) * n) for j in range(c)]
-    reverse = ReverseInitialSend(comm, topo, pos, None, bounds)
+    reverse = ReverseInitialSend(comm, topo, pos, None, kv_pieces.bounds)
     reducer = _ReverseReduce(comm, groups, reverse)
     dq = q.new_zeros(q.shape, dtype=acc_dtype)  # [n, b, h, dqk]: this member's, summed over the team
     serial = groups.config.serial_reverse_send
-    for j, (a, b) in enumerate(bounds):
+    for j, (a, b) in enumerate(kv_pieces.bounds):
         if serial:  # the previous piece's dK, dV home (and freed) before this piece computes
             reducer.through(j - 1)
         kv = kv_pieces.piece(j)  # [n, b, hkv, dqk + dv]
         dkv = kv.new_zeros(kv.shape, dtype=acc_dtype)
         for i in range(c):
-            side = own_side if member == i else [torch.empty_like(t) for t in own_side]
-            pending = [comm.broadcast(t, groups.team_group, c, src=i, mine=member == i, op="team_broadcast",
-                                      wait=False) for t in side]
-            side = [p.wait() for p in pending]
-            del pending
+            side = _member_side(comm, groups, own_side, i)
             dq_part = q.new_zeros(q.shape, dtype=acc_dtype)
             blocks.backward_step(ctx.kernel, *side, kv, segment_rows(team_rows, i * n, (i + 1) * n),
                                  segment_rows(kv_rows, a, b), dq_part, dkv, causal=ctx.causal, scale=ctx.scale,

@@ -83,7 +83,7 @@ def layer_memory_bytes(shape: AttentionShape, *, cp_size: int, team_size: int, u
         if not regathers and u == 1:
             kept -= eq * e  # rotation "q" keeps this rank's own q: the caller's tensor
         side = (eq + 2 * eo) * e + el * a  # one member's q, dO, out, lse
-        if g == 1 and c > 1:  # Note [piece-major rotation q]: one piece of K, V at a time
+        if topo.one_position_sub_rings:  # Note [piece-major rotation q]: one piece of K, V at a time
             # While piece j computes: K, V regathered: piece j, [the next one landing and
             # its send buffer]; dK, dV: piece j's, [the previous piece's, still being sent,
             # and its reverse landing; this rank's own rows once reduced]. dQ: this

@@ -262,7 +262,7 @@ def _schedule_layer(cluster: ClusterSpec, work: Workload, cp_size: int, team_siz
     if c > 1:
         query_side = (2 * eo + (eq if rotation == "q" else 0)) * e + el * a  # [q,] dO, out, lse
         # Note [piece-major rotation q]: with one position per sub-ring, once per piece of K, V.
-        per_piece = c if rotation == "q" and g == 1 else 1
+        per_piece = c if rotation == "q" and topo.one_position_sub_rings else 1
         phases.append(cluster.collective_time(teams, per_piece * (c - 1) * query_side))
         dq = cluster.collective_time(teams, per_piece * (c - 1) * eq * a)
         phases.append((max(reverse[0], dq[0]), reverse[1] + dq[1]))
@@ -278,7 +278,7 @@ def _schedule_layer(cluster: ClusterSpec, work: Workload, cp_size: int, team_siz
     total -= pipelined(init_fwd[0][0], compute_fwd / g)
     if regather_in_backward:
         total -= pipelined(init_fwd[0][0], compute_bwd / g)
-    serial = serial_reverse_send and rotation == "q" and g == 1 and c > 1
+    serial = serial_reverse_send and rotation == "q" and topo.one_position_sub_rings
     if rotation == "q" and not serial:  # dK, dV go back piece by piece during the last step
         total -= pipelined(reverse[0], compute_bwd / g)
         # Note [streamed rotation q]: C passes of the sub-ring, one member's rows each: the

@@ -89,6 +89,7 @@ class StreamedTeamSend(PieceTransfer):
         super().__init__(tensor, [(j * n, (j + 1) * n) for j in range(c)], [_LandingPiece(self, j) for j in range(c)])
         self._comm, self._groups, self._gather_op, self._send_op = comm, groups, gather_op, send_op
         self._member, self._dst, self._src = topo.member_of(pos), topo.init_send_dst(pos), topo.init_send_src(pos)
+        self._local = self._dst == pos  # the initial send maps this rank to itself: the broadcast is what lands
         self._pending: dict[int, tuple[object, torch.Tensor | None]] = {}
         self._post(0)  # K, V first: the send goes out before anything else of the layer
 
@@ -97,18 +98,14 @@ class StreamedTeamSend(PieceTransfer):
         if j in self._pending or j >= c:
             return
         mine, (a, b) = self._member == j, self.bounds[j]
-        if self._dst == self._groups.startrail_rank:  # the initial send maps this rank to itself
-            # The team's broadcast is what lands: into the whole tensor, or a buffer of its own.
-            rows = self.tensor[a:b] if self.tensor is not None else self._empty_piece()
-        else:
-            rows = self._empty_piece()
+        landing = self.tensor[a:b] if self.tensor is not None else self._empty_piece()
+        rows = landing if self._local else self._empty_piece()  # what is broadcast (and sent on)
         if mine:
             torch.cat([self._k, self._v], dim=-1, out=rows)
         self._comm.broadcast(rows, self._groups.team_group, c, src=j, mine=mine, op=self._gather_op)
-        if self._dst == self._groups.startrail_rank:
-            self._pending[j] = (None, rows)
+        if self._local:
+            self._pending[j] = (None, landing)
             return
-        landing = self.tensor[a:b] if self.tensor is not None else self._empty_piece()
         pending = self._comm.post([(rows, self._dst)], [(landing, self._src)], op=self._send_op, channel="side",
                                   counts_as_step=j == 0)  # the C pieces are one round
         self._pending[j] = (pending, landing)  # the transfer keeps ``rows`` alive until it is done

@@ -69,6 +69,12 @@ class StarTrailTopology:
     def sub_ring_size(self) -> int:  # G
         return self.size // (self.team_size * self.team_size)
 
+    @property
+    def one_position_sub_rings(self) -> bool:
+        """``G = 1`` with ``C > 1`` (``P = C^2``): nothing circulates, and the backward's
+        rotation "q" runs piece by piece (Note [piece-major rotation q] in backward.py)."""
+        return self.sub_ring_size == 1 and self.team_size > 1
+
     def team_of(self, pos: int) -> int:
         return pos // self.team_size
 
