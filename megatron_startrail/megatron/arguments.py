@@ -296,7 +296,7 @@ def _fit_memory_limit(args, heads: int, kv_heads: int) -> None:
             for serial in serials:
                 if peak(regather, rotation, serial) <= limit:
                     args.startrail_regather_in_backward = regather
-                    args.startrail_serial_reverse_send = serial and peak(regather, rotation) > limit
+                    args.startrail_serial_reverse_send = serial  # (False is tried first unless asked for)
                     if rotation != "auto":
                         args.startrail_backward_rotation = rotation
                     return

@@ -150,6 +150,11 @@ def test_memory_limit_turns_on_the_serial_reverse_send_where_only_that_fits(monk
     args = parse(monkeypatch, *flags, "--startrail-serial-reverse-send")
     validate_startrail_args(args)
     assert config_from_args(args).serial_reverse_send
+    # Asked for, it stays on under a limit that would have fitted without it too.
+    args = parse(monkeypatch, *flags, "--startrail-serial-reverse-send", "--startrail-memory-limit-gb",
+                 str((peak(False, False) + 16) / 1e9))
+    validate_startrail_args(args)
+    assert config_from_args(args).serial_reverse_send
 
 
 @pytest.mark.parametrize(
