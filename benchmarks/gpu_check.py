@@ -2,8 +2,8 @@
 
 Four parts, one Markdown file (``benchmarks/results/gpu_check.md`` by default):
 
-1. every block kernel x {bf16, fp16, fp32} x {equal head dims, MLA dims} x {causal, not}
-   x {MHA, GQA}, forward + backward against float64 (PASS / FAIL / SKIP with the reason);
+1. every block kernel x {bf16, fp16, fp32} x {equal head dims, MLA dims} x the window classes
+   of a variable-length call (none, causal, a band, a band's cut edge) x {MHA, GQA}, forward + backward against float64 (PASS / FAIL / SKIP with the reason);
 2. each usable fused kernel's forward + backward against torch SDPA on the same shapes;
 3. one StarTrail rank at long context through torch's no-op process group: its forward +
    backward time against (one fused SDPA forward + backward over the whole sequence) / P,
@@ -114,13 +114,13 @@ def _fmt(x: float) -> str:
 
 
 def accuracy_table(rows) -> list[str]:
-    out = ["| kernel | dtype | head dims q/k, v | mask | heads q/kv | status | out | lse | dq | dk | dv | tol | note |",
+    out = ["| kernel | dtype | head dims q/k, v | window (left, right) | heads q/kv | status | out | lse | dq | dk | dv | tol | note |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         c = r.case
         errs = [(_fmt(r.errors[n]) if n in r.errors else "") for n in ("out", "lse", "dq", "dk", "dv")]
         out.append(f"| {c.kernel} | {DTYPE_NAMES[c.dtype]} | {c.dims[0]}, {c.dims[1]} | "
-                   f"{'causal' if c.causal else 'full'} | {c.heads[0]}/{c.heads[1]} | {r.status} | "
+                   f"{c.window} | {c.heads[0]}/{c.heads[1]} | {r.status} | "
                    + " | ".join(errs) + f" | {TOLERANCE[c.dtype]:.0e} | {r.note} |")
     return out
 

@@ -1,11 +1,12 @@
 """Every block kernel against float64, and its speed against torch SDPA (part of gpu_check).
 
 Accuracy: each kernel of :data:`megatron_startrail.kernels.RULES` x dtype x head dims x
-mask x heads runs forward and backward on one block; out, lse and dq/dk/dv are compared
-with the reference kernel in float64 on the same (rounded) inputs. A combination the
-kernel cannot take is a SKIP row with the selection rules' reason (or the ImportError),
-never a PASS. Non-causal blocks are rectangular (sk = 1.5 sq) and sq is not a multiple of
-32, so the efficient op's lse row padding is exercised.
+window x heads runs forward and backward on one variable-length call (Note [kernel calls]
+in megatron_startrail.layout: three sequences of unequal query and key lengths, flash-attn's
+window rule, causal aligned bottom-right); out, lse and dq/dk/dv are compared with the
+reference kernel in float64 on the same (rounded) inputs. A combination the kernel cannot
+take is a SKIP row with the selection rules' reason (or the ImportError), never a PASS.
+Lengths are not multiples of 32, so the efficient op's lse row padding is exercised.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_startrail.kernels import RULES, KernelRequest, ReferenceKernel, kernel_constraint, make_kernel
+from megatron_startrail.layout import KernelCall
 
 # max |error| / max |reference| allowed, per input dtype (as the project's tests use).
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
@@ -28,8 +30,12 @@ class Case:
     kernel: str
     dtype: torch.dtype
     dims: tuple[int, int]  # (q/k head dim, v head dim)
-    causal: bool
+    window: tuple[int, int]  # flash-attn's (left, right) of the call; (-1, 0) causal, (-1, -1) none
     heads: tuple[int, int]  # (query heads, kv heads)
+
+    @property
+    def causal(self) -> bool:
+        return self.window == (-1, 0)
 
 
 @dataclass
@@ -44,22 +50,38 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
 
+# The window classes the planner makes: none, causal, a causal band, a band's cut edge.
+WINDOWS = ((-1, -1), (-1, 0), (37, 0), (0, -1))
+
+
 def all_cases(dtypes, dims_list, kernels=None) -> list[Case]:
     names = kernels or [rule.name for rule in RULES]
     return [
-        Case(name, dtype, dims, causal, heads)
+        Case(name, dtype, dims, window, heads)
         for name in names for dtype in dtypes for dims in dims_list
-        for causal in (True, False) for heads in ((8, 8), (8, 2))
+        for window in WINDOWS for heads in ((8, 8), (8, 2))
     ]
 
 
-def _inputs(case: Case, seq: int, device, seed: int = 0):
-    """q, k, v, dout ``[b, h, s, d]`` in float64, already rounded to the case's dtype."""
+def varlen_call(seq: int, window: tuple[int, int]) -> KernelCall:
+    """Three sequences of (queries, keys): (seq, seq), (seq // 2 + 3, seq + 5), (seq - 7, seq + 1):
+    never fewer keys than queries, so every row sees a key under every window of WINDOWS
+    (what the planner guarantees; flash-attn gives rows without keys lse +inf, not -inf)."""
+    lengths = [(seq, seq), (seq // 2 + 3, seq + 5), (seq - 7, seq + 1)]
+    q_rows, k_rows, a, b = [], [], 0, 0
+    for sq, sk in lengths:
+        q_rows.append((a, a + sq))
+        k_rows.append(((b, b + sk),))
+        a, b = a + sq, b + sk
+    return KernelCall(tuple(q_rows), tuple(k_rows), window)
+
+
+def _inputs(case: Case, call: KernelCall, device, seed: int = 0):
+    """q, k, v, dout ``[T, b, h, d]`` in float64, already rounded to the case's dtype."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     (h, hkv), (dqk, dv) = case.heads, case.dims
-    sq = seq
-    sk = seq if case.causal else seq + seq // 2
-    shapes = [(2, h, sq, dqk), (2, hkv, sk, dqk), (2, hkv, sk, dv), (2, h, sq, dv)]
+    tq, tk = call.cu_seqlens_q[-1], call.cu_seqlens_k[-1]
+    shapes = [(tq, 2, h, dqk), (tk, 2, hkv, dqk), (tk, 2, hkv, dv), (tq, 2, h, dv)]
     return [torch.randn(s, generator=gen, dtype=torch.float64).to(case.dtype).to(device).double() for s in shapes]
 
 
@@ -73,16 +95,17 @@ def check_case(case: Case, seq: int, device: torch.device, available: frozenset[
         kernel = make_kernel(case.kernel)
     except ImportError as err:
         return AccuracyRow(case, "SKIP", {}, f"not importable: {err}")
-    q, k, v, dout = _inputs(case, seq, device)
+    call = varlen_call(seq, case.window)
+    q, k, v, dout = _inputs(case, call, device)
     scale = dqk**-0.5
     ref = ReferenceKernel()
-    ref_out, ref_lse = ref.forward(q, k, v, causal=case.causal, scale=scale)
-    ref_grads = ref.backward(dout, q, k, v, ref_out, ref_lse, causal=case.causal, scale=scale)
+    ref_out, ref_lse = ref.forward(q, k, v, call, scale=scale)
+    ref_grads = ref.backward(dout, q, k, v, ref_out, ref_lse, call, scale=scale)
     x = [t.to(case.dtype) for t in (q, k, v, dout)]
     try:
         with torch.no_grad():
-            out, lse = kernel.forward(x[0], x[1], x[2], causal=case.causal, scale=scale)
-            grads = kernel.backward(x[3], x[0], x[1], x[2], out, lse, causal=case.causal, scale=scale)
+            out, lse = kernel.forward(x[0], x[1], x[2], call, scale=scale)
+            grads = kernel.backward(x[3], x[0], x[1], x[2], out, lse, call, scale=scale)
     except Exception as err:  # noqa: BLE001 - a kernel that raises is a failed row, reported
         return AccuracyRow(case, "FAIL", {}, f"{type(err).__name__}: {str(err).splitlines()[0][:160]}")
     errors = {"out": relative_error(out, ref_out), "lse": relative_error(lse, ref_lse)}
@@ -135,21 +158,23 @@ class TimingRow:
 
 
 def time_kernel(name: str, dtype, dims, causal: bool, seq: int, heads: int, device, iters: int) -> TimingRow:
-    """One block kernel's forward + backward vs ``F.scaled_dot_product_attention`` forward +
-    backward (autograd) on the same ``[1, heads, seq, d]`` inputs."""
+    """One block kernel's forward + backward (one call of one sequence) vs
+    ``F.scaled_dot_product_attention`` forward + backward (autograd) on the same inputs."""
     dqk, dv = dims
     gen = torch.Generator(device="cpu").manual_seed(1)
-    q, k = (torch.randn(1, heads, seq, dqk, generator=gen).to(device, dtype) for _ in range(2))
-    v, dout = (torch.randn(1, heads, seq, dv, generator=gen).to(device, dtype) for _ in range(2))
+    q, k = (torch.randn(seq, 1, heads, dqk, generator=gen).to(device, dtype) for _ in range(2))
+    v, dout = (torch.randn(seq, 1, heads, dv, generator=gen).to(device, dtype) for _ in range(2))
     scale = dqk**-0.5
     kernel = make_kernel(name)
     timer = _timer(device)
+    call = KernelCall(((0, seq),), (((0, seq),),), (-1, 0) if causal else (-1, -1))
 
     def block():
         with torch.no_grad():
-            out, lse = kernel.forward(q, k, v, causal=causal, scale=scale)
-            kernel.backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+            out, lse = kernel.forward(q, k, v, call, scale=scale)
+            kernel.backward(dout, q, k, v, out, lse, call, scale=scale)
 
+    q, k, v, dout = (t.permute(1, 2, 0, 3) for t in (q, k, v, dout))  # [1, heads, seq, d] for SDPA
     qs, ks, vs = (t.detach().requires_grad_(True) for t in (q, k, v))
 
     def sdpa():

@@ -78,7 +78,7 @@ def _sub_ring_forward(comm, groups, docs, kernel, transfer, q_team, kv_init: Pie
         for lane_index, (lane, (kv,), kv_rows) in enumerate(zip(kv_rot.lanes, payloads, part_rows)):
             k_segments = kv_rot.part_segments(lane.origin(pos, step), lane_index, kv_rows)
             blocks.forward_step(kernel, q_team, kv, q_segments, k_segments, acc_out, acc_lse,
-                                causal=causal, scale=scale, window=window, tile_rows=rows // groups.team_size)
+                                causal=causal, scale=scale, window=window, max_rows=rows // groups.team_size)
 
     rotate(comm, kv_rot.lanes, pos, kv_rot.split([kv_init.tensor]), attend, op="sub_ring",
            pieces=kv_rot.pieces(kv_init))
@@ -131,7 +131,7 @@ class _StarTrailAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, groups: StarTrailGroups, docs, causal, scale, rotation, transfer, regather,
                 fwd_stats, bwd_stats, timeline, window):
         # q [n, b, h, dqk], k [n, b, hkv, dqk], v [n, b, hkv, dv]; n = len(my chunks) * L
-        kernel = kernel_for(q, k, v, groups.kernel)
+        kernel = kernel_for(q, k, v, groups.kernel, groups.config.deterministic)
         comm = Communicator(fwd_stats, groups.transport, timeline)
         q_team, kv_init = gather_team_and_send(comm, groups, q, k, v, gather_op="team_all_gather",
                                                 send_op="init_send")
@@ -268,7 +268,7 @@ def startrail_attn(
     ``window_size=(left, right)``: sliding-window attention with Megatron's and
     flash-attn's meaning (query ``i`` sees keys ``i - left .. i + right`` of its document;
     -1 is unbounded; ``right = 0`` is causal). Pairs outside the window make no kernel call
-    (Note [window blocks] in :mod:`megatron_startrail.layout`); when every query's window
+    (Note [kernel calls] in :mod:`megatron_startrail.layout`); when every query's window
     reaches only the neighbouring CP ranks' chunks, only those keys move (the halo
     exchange, :mod:`megatron_startrail.halo`), instead of the sub-ring and team phases.
     ``halo_exchange=False`` runs the schedule there too, moving every rank's K, V (to
@@ -303,7 +303,8 @@ def startrail_attn(
     window = _window(window_size, causal)
     plan = halo_plan(docs, window, causal, groups.cp_rank) if window is not None and halo_exchange else None
     if plan is not None:  # every window reaches only the CP neighbours: exchange just those keys
-        out = halo_attn(q, k, v, groups, docs, plan, window, causal, scale, kernel_for(q, k, v, groups.kernel),
+        out = halo_attn(q, k, v, groups, docs, plan, window, causal, scale,
+                        kernel_for(q, k, v, groups.kernel, groups.config.deterministic),
                         fwd_stats, bwd_stats, timeline)
         return out.squeeze(1) if thd else out
     if groups.ulysses_size > 1:

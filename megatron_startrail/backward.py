@@ -41,7 +41,7 @@ def backward_kv(ctx, dout):
     # in the team (float32): every member keeps its own rows.
     dq_team, dkv_back = _sub_ring_backward_kv(comm, groups, docs, ctx.kernel, ctx.transfer, q_team, do_out,
                                               lse_team, kv_init, causal=ctx.causal, scale=ctx.scale,
-                                              window=ctx.window, tile_rows=q_team.shape[0] // groups.team_size)
+                                              window=ctx.window, max_rows=q_team.shape[0] // groups.team_size)
     # The team's buffers are done with: free them before the reductions (peak memory;
     # what the forward saved stays alive in ctx until the backward returns).
     del q_team, do_out, lse_team, kv_init
@@ -173,7 +173,7 @@ def _sub_ring_backward_q(comm, groups, docs, kernel, transfer, q, dout, out, lse
                     q_segments = q_rot.part_segments(lane.origin(pos, step), lane_index)
                     blocks.backward_step(kernel, q_part, dout_part, out_part, lse_rows, kv, q_segments, kv_segments,
                                          dq_part, dkv_init[a:b], causal=causal, scale=scale, window=window,
-                                         tile_rows=n)
+                                         max_rows=n)
                 if last == (True, step):
                     reverse.send(piece)  # these rows of dK, dV are final
                     reducer.through(piece - 1)  # the previous piece has had a piece's compute to land
@@ -251,7 +251,7 @@ def _backward_q_piece_major(ctx, comm, dout):
             dq_part = q.new_zeros(q.shape, dtype=acc_dtype)
             blocks.backward_step(ctx.kernel, *side, kv, segment_rows(team_rows, i * n, (i + 1) * n),
                                  segment_rows(kv_rows, a, b), dq_part, dkv, causal=ctx.causal, scale=ctx.scale,
-                                 window=ctx.window, tile_rows=n)
+                                 window=ctx.window, max_rows=n)
             del side
             # Reduced to member i at once: one member's dQ buffer live, not C of them.
             dq_part = comm.reduce(dq_part, groups.team_group, c, dst=i, mine=member == i, op="team_reduce")
@@ -282,13 +282,13 @@ def _gather_query_side(comm, groups, dout, out, lse):
 
 
 def _sub_ring_backward_kv(comm, groups, docs, kernel, transfer, q_team, do_out, lse_team, kv_init: PieceTransfer,
-                          *, causal, scale, window=None, tile_rows=None):
+                          *, causal, scale, window=None, max_rows=None):
     """Rotation "kv": the forward's sub-ring schedule with the team's query side fixed and
     K, V circulating with their dK, dV accumulators; step 0 uses each piece of ``kv_init``
     as it lands. ``q_team [C*n, b, h, dqk]``, ``do_out [C*n, b, h, 2 dv]`` (dO | out),
     ``lse_team [C*n, b, h]``. Returns ``dq_team [C*n, b, h, dqk]`` and the reverse initial
     send of ``dkv_init [C*n, b, hkv, dqk + dv]`` (accumulator dtype), started once the
-    accumulators are home. ``tile_rows`` bounds the rows of one kernel call."""
+    accumulators are home. ``max_rows`` bounds the query and key rows of one kernel call."""
     topo, pos = groups.topology, groups.startrail_rank
     acc_dtype = blocks.acc_dtype(q_team.dtype)
     dv = do_out.shape[-1] // 2
@@ -297,7 +297,7 @@ def _sub_ring_backward_kv(comm, groups, docs, kernel, transfer, q_team, do_out, 
 
     def grads(q, do_o, lse_rows, kv, q_segments, kv_segments, dq, dkv):
         blocks.backward_step(kernel, q, do_o[..., :dv], do_o[..., dv:], lse_rows, kv, q_segments, kv_segments, dq,
-                             dkv, causal=causal, scale=scale, window=window, tile_rows=tile_rows)
+                             dkv, causal=causal, scale=scale, window=window, max_rows=max_rows)
 
     own_q_segments = team_segments(groups, docs, topo.team_of(pos))
     dq_team = q_team.new_zeros(q_team.shape, dtype=acc_dtype)

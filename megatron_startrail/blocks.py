@@ -1,26 +1,30 @@
-"""Block work of one sub-ring step: kernel calls over segment pairs, and the lse merge.
+"""Block work of one sub-ring step: a few variable-length kernel calls, and the lse merge.
 
 Tensors here are in Megatron's sequence-first layout; the rows are runs of tokens of
 one document each, listed alongside as segments (Note [documents] in
 :mod:`megatron_startrail.layout`); rows of padding take part in no kernel call::
 
     q-side   q [Sq, b, h, dqk], dout, out [Sq, b, h, dv]
-             lse [b, h, Sq] (forward), [Sq, b, h] (backward)
+             lse [b, h, Sq] (forward accumulator), [Sq, b, h] (backward)
     kv-side  kv [Sk, b, hkv, dqk + dv]   (K and V side by side in the last dim:
                                           k = kv[..., :dqk], v = kv[..., dqk:])
 
 ``dv`` may differ from ``dqk`` (Multi-Latent Attention: dqk 192, dv 128); V is never
 padded to K's head dim, in memory or on the wire.
 
-Kernels want ``[b, h, s, d]``; :func:`_bhsd` gives that as a view.
+A step is the calls :func:`~megatron_startrail.layout.plan_calls` gives (Note [kernel
+calls]): each takes its rows as a view where they are one run, or gathered once by an
+index made once per call and device; its result is merged in float32 with a handful of
+element-wise ops, and its gradients added back the same way. Nothing here loops over
+documents or window tiles.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .kernels import BlockKernel, ReferenceKernel
-from .layout import Block, Segment, plan_blocks
+from .kernels import BlockKernel
+from .layout import KernelCall, Segment, plan_calls
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -28,22 +32,17 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _bhsd(x: torch.Tensor) -> torch.Tensor:
-    # [s, b, h, d] -> [b, h, s, d] (a view)
-    return x.permute(1, 2, 0, 3)
-
-
 def merge_lse_(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """In place: fold a partial (out, lse) into the accumulator (out ``[b,h,s,d]``, lse ``[b,h,s]``).
+    """In place: fold a partial (out, lse) into the accumulator (out ``[b, h, s, d]``, lse ``[b, h, s]``).
 
-    ``acc_lse = -inf`` marks rows that have seen no key yet; they take zero weight (never
-    NaN from ``-inf - -inf``).
+    ``acc_lse = -inf`` marks rows that have seen no key yet; every row of ``lse`` must be
+    finite (a kernel call's rows all see a key, Note [kernel calls]). The new part's share
+    is ``e^lse / (e^acc_lse + e^lse) = sigmoid(lse - acc_lse)`` (1 where nothing was seen
+    yet), so the merge is one interpolation: 4 element-wise ops, 5 with a cast.
     """
-    new_lse = torch.logaddexp(acc_lse, lse.to(acc_lse.dtype))
-    ref = new_lse.masked_fill(new_lse.isneginf(), 0.0)
-    acc_out.mul_(torch.exp(acc_lse - ref).unsqueeze(-1))
-    acc_out.add_(out.to(acc_out.dtype) * torch.exp(lse.to(ref.dtype) - ref).unsqueeze(-1))
-    acc_lse.copy_(new_lse)
+    share = torch.sigmoid(lse.to(acc_lse.dtype) - acc_lse).unsqueeze(-1)
+    acc_out.lerp_(out.to(acc_out.dtype), share)
+    torch.logaddexp(acc_lse, lse.to(acc_lse.dtype), out=acc_lse)
 
 
 def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,56 +72,21 @@ def add_rows(dst: torch.Tensor, src: torch.Tensor, ranges: tuple[tuple[int, int]
         pos += b - a
 
 
-_BAND_KERNEL = ReferenceKernel()  # the band edges of a sliding window: explicit mask
+def _rows(x: torch.Tensor, call: KernelCall, side: str, dim: int = 0) -> torch.Tensor:
+    """The call's query (``side="q"``) or key rows of ``x`` along ``dim``: a view, or one gather."""
+    run = call.q_slice if side == "q" else call.k_slice
+    if run is not None:
+        return x.narrow(dim, run[0], run[1] - run[0])
+    return x.index_select(dim, call.tensor(side + "_index", x.device))
 
 
-def _call(kernel: BlockKernel, block: Block, device) -> tuple[BlockKernel, dict]:
-    """The kernel and keyword arguments of ``block``: its own kernel, or for a band edge
-    (Note [window blocks] in :mod:`megatron_startrail.layout`) the reference math with the
-    band's mask ``[sq, sk]`` (True: visible)."""
-    if block.band is None:
-        return kernel, {"causal": block.causal}
-    offset, lo, hi = block.band
-    sq = block.q_rows[1] - block.q_rows[0]
-    sk = sum(b - a for a, b in block.k_rows)
-    delta = torch.arange(sk, device=device)[None, :] + offset - torch.arange(sq, device=device)[:, None]
-    return _BAND_KERNEL, {"causal": False, "mask": (delta >= lo) & (delta <= hi)}
-
-
-def _split_ranges(ranges: tuple[tuple[int, int], ...], limit: int) -> list[tuple[tuple[int, int], ...]]:
-    """``ranges`` cut into consecutive groups of at most ``limit`` rows each."""
-    groups: list[tuple[tuple[int, int], ...]] = []
-    current: list[tuple[int, int]] = []
-    room = limit
-    for a, b in ranges:
-        while a < b:
-            take = min(b - a, room)
-            current.append((a, a + take))
-            a, room = a + take, room - take
-            if room == 0:
-                groups.append(tuple(current))
-                current, room = [], limit
-    if current:
-        groups.append(tuple(current))
-    return groups
-
-
-def _tiles(planned: tuple[Block, ...], tile_rows: int | None):
-    """The blocks, with full blocks cut into tiles of at most ``tile_rows`` query and key rows.
-
-    Why: the planner merges the full blocks of a query segment (and adjacent segments) into
-    one call, which on a team's gathered rows spans up to ``C`` times a rank's rows; a
-    kernel's temporaries (gradients of the call's rows, its float32 accumulators, the
-    concatenated key rows) grow with the call. Tiles of one rank's rows keep them at ring
-    attention's size. Causal and band blocks are one segment or band tile long already."""
-    for block in planned:
-        if tile_rows is None or block.causal or block.band is not None:
-            yield block
-            continue
-        q0, q1 = block.q_rows
-        for qa in range(q0, q1, tile_rows):
-            for k_rows in _split_ranges(block.k_rows, tile_rows):
-                yield Block((qa, min(q1, qa + tile_rows)), k_rows, False)
+def _add_into(dst: torch.Tensor, src: torch.Tensor, call: KernelCall, side: str) -> None:
+    """``dst`` rows of the call (dim 0) += ``src`` (a gathered key row may repeat: summed)."""
+    run = call.q_slice if side == "q" else call.k_slice
+    if run is not None:
+        dst[run[0] : run[1]].add_(src)
+    else:
+        dst.index_add_(0, call.tensor(side + "_index", dst.device), src.to(dst.dtype))
 
 
 def forward_step(
@@ -137,17 +101,24 @@ def forward_step(
     causal: bool,
     scale: float,
     window: tuple[int, int] | None = None,
-    tile_rows: int | None = None,
+    max_rows: int | None = None,
 ) -> None:
     """Attend ``q`` to ``kv`` and merge into ``acc_out [b, h, Sq, dv]`` / ``acc_lse [b, h, Sq]``
-    (full blocks in tiles of at most ``tile_rows`` rows a side)."""
+    (at most ``max_rows`` query and key rows per kernel call)."""
     dqk = q.shape[-1]
-    for block in _tiles(plan_blocks(q_segments, k_segments, causal, window), tile_rows):
-        q0, q1 = block.q_rows
-        kvs = take_rows(kv, block.k_rows)
-        call, kwargs = _call(kernel, block, q.device)
-        out, lse = call.forward(_bhsd(q[q0:q1]), _bhsd(kvs[..., :dqk]), _bhsd(kvs[..., dqk:]), scale=scale, **kwargs)
-        merge_lse_(acc_out[:, :, q0:q1], acc_lse[:, :, q0:q1], out, lse)
+    for call in plan_calls(q_segments, k_segments, causal, window, max_rows):
+        kvs = _rows(kv, call, "k")
+        out, lse = kernel.forward(_rows(q, call, "q"), kvs[..., :dqk], kvs[..., dqk:], call, scale=scale)
+        out = out.permute(1, 2, 0, 3)  # [Tq, b, h, dv] -> [b, h, Tq, dv]
+        if call.q_slice is not None:
+            a, b = call.q_slice
+            merge_lse_(acc_out[:, :, a:b], acc_lse[:, :, a:b], out, lse)
+        else:
+            index = call.tensor("q_index", q.device)
+            part_out, part_lse = acc_out.index_select(2, index), acc_lse.index_select(2, index)
+            merge_lse_(part_out, part_lse, out, lse)
+            acc_out.index_copy_(2, index, part_out)
+            acc_lse.index_copy_(2, index, part_lse)
 
 
 def backward_step(
@@ -165,19 +136,17 @@ def backward_step(
     causal: bool,
     scale: float,
     window: tuple[int, int] | None = None,
-    tile_rows: int | None = None,
+    max_rows: int | None = None,
 ) -> None:
     """Add this step's gradients into ``dq [Sq, b, h, dqk]`` and ``dkv [Sk, b, hkv, dqk + dv]``
-    (full blocks in tiles of at most ``tile_rows`` rows a side)."""
+    (at most ``max_rows`` query and key rows per kernel call)."""
     dqk = q.shape[-1]
-    for block in _tiles(plan_blocks(q_segments, k_segments, causal, window), tile_rows):
-        q0, q1 = block.q_rows
-        kvs = take_rows(kv, block.k_rows)
-        call, kwargs = _call(kernel, block, q.device)
-        gq, gk, gv = call.backward(
-            _bhsd(dout[q0:q1]), _bhsd(q[q0:q1]), _bhsd(kvs[..., :dqk]), _bhsd(kvs[..., dqk:]), _bhsd(out[q0:q1]),
-            lse[q0:q1].permute(1, 2, 0).contiguous(), scale=scale, **kwargs,
+    for call in plan_calls(q_segments, k_segments, causal, window, max_rows):
+        kvs = _rows(kv, call, "k")
+        gq, gk, gv = kernel.backward(
+            _rows(dout, call, "q"), _rows(q, call, "q"), kvs[..., :dqk], kvs[..., dqk:], _rows(out, call, "q"),
+            _rows(lse, call, "q").permute(1, 2, 0), call, scale=scale,
         )
-        _bhsd(dq[q0:q1]).add_(gq)
-        # [b, hkv, Sk', dqk] | [b, hkv, Sk', dv] -> [Sk', b, hkv, dqk + dv]
-        add_rows(dkv, torch.cat([gk, gv], dim=-1).permute(2, 0, 1, 3), block.k_rows)
+        _add_into(dq, gq, call, "q")
+        _add_into(dkv[..., :dqk], gk, call, "k")
+        _add_into(dkv[..., dqk:], gv, call, "k")

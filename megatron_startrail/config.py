@@ -32,6 +32,10 @@ class StarTrailConfig:
     # dK, dV come home before the next piece computes -- a lower peak, the reverse send no
     # longer hidden behind compute [--startrail-serial-reverse-send]
     serial_reverse_send: bool = False
+    # Deterministic block-kernel backward where the kernel has a switch for it (flash-attn);
+    # PyTorch's own ops follow torch.use_deterministic_algorithms, which the flag sets
+    # [--deterministic-mode]
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         for name, flag in (("team_size", "--startrail-team-size"), ("ulysses_size", "--ulysses-degree-in-cp")):
@@ -44,6 +48,7 @@ class StarTrailConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} ({flag}) is not one of {allowed}")
         for name, flag in (("regather_in_backward", "--startrail-regather-in-backward"),
-                           ("serial_reverse_send", "--startrail-serial-reverse-send")):
+                           ("serial_reverse_send", "--startrail-serial-reverse-send"),
+                           ("deterministic", "--deterministic-mode")):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} ({flag}) must be a bool")

@@ -43,7 +43,7 @@ case (no cu_seqlens) is one document covering the sequence, so one planner serve
 Note [causal blocks]
 --------------------
 For a query segment and a key segment of the same document (positions ``[qa, qb)`` and
-``[ka, kb)``), query ``i`` sees key ``j`` iff ``j <= i``; see :func:`plan_blocks`. For
+``[ka, kb)``), query ``i`` sees key ``j`` iff ``j <= i``; see :func:`plan_calls`. For
 whole chunks of one document this is::
 
     key chunk y < query chunk x   full block     (every query sees every key)
@@ -242,36 +242,121 @@ def split_rows(total: int, parts: int) -> list[tuple[int, int]]:
     return [(total * k // parts, total * (k + 1) // parts) for k in range(parts)]
 
 
+# Note [kernel calls]
+# -------------------
+# A step's work goes to the block kernel as a few variable-length calls with flash-attn's
+# semantics (``flash_attn_varlen_func``): sequence ``i`` of a call is query rows
+# ``q_rows[i]`` against the concatenation of key rows ``k_rows[i]``, and with ``sq``, ``sk``
+# its lengths, query ``r`` sees key ``c`` iff
+#
+#     r + sk - sq - left  <=  c  <=  r + sk - sq + right          (-1: that side unbounded)
+#
+# -- the window is placed by aligning the sequence's last query with its last key (causal
+# is ``(-1, 0)``, bottom-right aligned). One call takes every document and every band of a
+# step that shares ``(left, right)``, so the number of calls does not grow with documents or
+# window tiles.
+#
+# For a query segment at positions ``[qa, qb)`` and a run of key positions ``[ka, kb)`` of
+# the same document (segments next to each other in storage and in position make one run),
+# query ``q`` sees key ``k`` iff ``lo <= k - q <= hi`` (:func:`normalize_window`; causal
+# without a window is ``(-inf, 0)``). Queries in ``[ka - hi, kb - lo)`` see something; they
+# make at most two sequences, each exact with one ``(left, right)``:
+#
+#     A  rows before kb - hi    keys [q + lo, q + hi]     last key = last query + hi:
+#                                                         (hi - lo, 0); causal: (-1, 0)
+#     B  rows from kb - hi      keys [q + lo, kb)         the run's end cuts every row:
+#                                                         (kb - lo - qe, -1) with qe the
+#                                                         last row + 1; (0, -1) unless the
+#                                                         query segment ends first;
+#                                                         no left bound: (-1, -1), full
+#
+# Full sequences (-1, -1) of one query segment are merged (their keys concatenated), so a
+# query sees each visible key once. Within a call the query rows of different sequences
+# never overlap (the merge adds each call's result row by row); sequences that would are
+# put in another call of the same class. Every query row of a sequence sees at least one
+# key, so a call never returns a row without keys (lse is finite: the merge needs no case
+# for -inf). ``max_rows`` bounds the query rows and the gathered key rows of one call (a
+# kernel's buffers grow with both); full sequences are cut into tiles to fit.
+
+INF = float("inf")
+
+
 @dataclass(frozen=True)
-class Block:
-    """One kernel call: query rows against key rows of local storage.
+class KernelCall:
+    """One variable-length kernel call (Note [kernel calls]); rows are of local storage."""
 
-    ``k_rows`` may list several ranges (concatenated for the call). ``causal`` blocks are
-    square with the diagonal on the diagonal (top-left aligned), the one mask every
-    kernel agrees on. ``band`` (sliding windows only, Note [window blocks]) is
-    ``(offset, lo, hi)``: block row ``r`` sees block column ``c`` iff
-    ``lo <= c + offset - r <= hi`` (positions: key minus query).
-    """
+    q_rows: tuple[tuple[int, int], ...]  # sequence i: query rows [a, b)
+    k_rows: tuple[tuple[tuple[int, int], ...], ...]  # sequence i: key row ranges, concatenated
+    window: tuple[int, int] = (-1, -1)  # flash-attn's (left, right); (-1, 0) is causal
 
-    q_rows: tuple[int, int]
-    k_rows: tuple[tuple[int, int], ...]
-    causal: bool
-    band: tuple[int, float, float] | None = None
+    @property
+    def causal(self) -> bool:
+        return self.window == (-1, 0)
+
+    @functools.cached_property
+    def cu_seqlens_q(self) -> tuple[int, ...]:
+        return _cumulative([b - a for a, b in self.q_rows])
+
+    @functools.cached_property
+    def cu_seqlens_k(self) -> tuple[int, ...]:
+        return _cumulative([sum(b - a for a, b in ranges) for ranges in self.k_rows])
+
+    @property
+    def max_seqlen_q(self) -> int:
+        return max(b - a for a, b in self.q_rows)
+
+    @property
+    def max_seqlen_k(self) -> int:
+        return max(sum(b - a for a, b in ranges) for ranges in self.k_rows)
+
+    @functools.cached_property
+    def q_slice(self) -> tuple[int, int] | None:
+        """``(a, b)`` when the query rows are one run ``a .. b-1`` in order (no gather)."""
+        return _one_run(self.q_rows)
+
+    @functools.cached_property
+    def k_slice(self) -> tuple[int, int] | None:
+        return _one_run(tuple(r for ranges in self.k_rows for r in ranges))
+
+    @functools.cached_property
+    def q_index(self) -> tuple[int, ...]:
+        return tuple(i for a, b in self.q_rows for i in range(a, b))
+
+    @functools.cached_property
+    def k_index(self) -> tuple[int, ...]:
+        return tuple(i for ranges in self.k_rows for a, b in ranges for i in range(a, b))
+
+    def tensor(self, what: str, device, batch: int = 1):
+        """``q_index`` / ``k_index`` (int64) or ``cu_seqlens_q`` / ``cu_seqlens_k`` (int32; with
+        ``batch`` > 1, of the batch folded into the sequence dim: every sequence once per
+        sample) as a tensor on ``device``, made once per call and device: the hot path copies
+        nothing from the host after the first step."""
+        cache = self.__dict__.setdefault("_tensors", {})
+        key = (what, str(device), batch)
+        if key not in cache:
+            import torch  # noqa: PLC0415 - layout.py is pure Python otherwise
+
+            values = getattr(self, what)
+            if what.startswith("cu_"):
+                total = values[-1]
+                values = [x + i * total for i in range(batch) for x in values[: -1]] + [batch * total]
+            cache[key] = torch.tensor(values, dtype=torch.int32 if what.startswith("cu_") else torch.int64,
+                                      device=device)
+        return cache[key]
 
 
-# Note [window blocks]
-# --------------------
-# A sliding window (Megatron's --window-size L,R; flash-attn's window_size) lets query
-# position i see key position j of its document iff i - L <= j <= i + R (-1: unbounded;
-# causal caps R at 0). In key-minus-query terms: lo <= j - i <= hi. For a query segment
-# [qa, qb) and a key segment [ka, kb), only rows i in [ka - hi, kb - 1 - lo] see any key
-# (so no row of a block ever sees nothing); they are cut into tiles of BAND_TILE rows, and
-# tile [t, te) sees keys [t + lo, te - 1 + hi]. Of those, keys [te - 1 + lo, t + hi] are
-# seen by every row of the tile (one full block for the fused kernel); the keys left and
-# right of them form the band's edges, each a masked block (reference math, explicit
-# mask). Pairs entirely outside the window make no block, so a window shorter than a
-# chunk makes most (query chunk, key chunk) pairs no kernel call at all.
-BAND_TILE = 128
+def _cumulative(lengths: list[int]) -> tuple[int, ...]:
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return tuple(out)
+
+
+def _one_run(ranges: tuple[tuple[int, int], ...]) -> tuple[int, int] | None:
+    for (_, b), (a, _) in zip(ranges, ranges[1:]):
+        if a != b:
+            return None
+    return (ranges[0][0], ranges[-1][1])
 
 
 def normalize_window(window: tuple[int, int] | None, causal: bool) -> tuple[float, float] | None:
@@ -280,35 +365,13 @@ def normalize_window(window: tuple[int, int] | None, causal: bool) -> tuple[floa
     if window is None:
         return None
     left, right = window
-    lo = -float("inf") if left is None or left < 0 else -int(left)
-    hi = float("inf") if right is None or right < 0 else int(right)
+    lo = -INF if left is None or left < 0 else -int(left)
+    hi = INF if right is None or right < 0 else int(right)
     if causal:
         hi = min(hi, 0)
-    if lo == -float("inf") and hi == (0 if causal else float("inf")):
+    if lo == -INF and hi == (0 if causal else INF):
         return None
     return lo, hi
-
-
-def _window_blocks(qo: int, qa: int, qb: int, ko: int, ka: int, kb: int, lo: float, hi: float) -> list[Block]:
-    """The blocks of one same-document (query segment, key segment) pair under a window
-    (Note [window blocks]); rows ``qo + ..`` and keys ``ko + ..`` of local storage."""
-    rows = (max(qa, ka - hi), min(qb, kb - 1 - lo + 1))
-    blocks = []
-    for t in range(int(rows[0]), int(rows[1]), BAND_TILE):
-        te = min(t + BAND_TILE, int(rows[1]))
-        see = (max(ka, t + lo), min(kb, te - 1 + hi + 1))  # keys any row of the tile sees
-        every = (max(see[0], te - 1 + lo), min(see[1], t + hi + 1))  # keys every row sees
-        q_rows = (qo + t - qa, qo + te - qa)
-        if every[0] < every[1]:
-            edges = [(see[0], every[0]), (every[1], see[1])]
-            blocks.append(Block(q_rows, ((ko + int(every[0]) - ka, ko + int(every[1]) - ka),), False))
-        else:
-            edges = [see]
-        for a, b in edges:
-            if a < b:
-                a, b = int(a), int(b)
-                blocks.append(Block(q_rows, ((ko + a - ka, ko + b - ka),), False, (a - t, lo, hi)))
-    return blocks
 
 
 def coalesce(ranges: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
@@ -322,69 +385,164 @@ def coalesce(ranges: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
-def _merge_query_runs(blocks: list[Block]) -> tuple[Block, ...]:
-    """Adjacent full blocks with the same key rows become one call (e.g. non-causal)."""
-    out: list[Block] = []
-    for blk in blocks:
-        prev = out[-1] if out else None
-        if (prev is not None and not prev.causal and not blk.causal and prev.k_rows == blk.k_rows
-                and prev.q_rows[1] == blk.q_rows[0]):
-            out[-1] = Block((prev.q_rows[0], blk.q_rows[1]), blk.k_rows, False)
-        else:
-            out.append(blk)
+def _split_ranges(ranges: tuple[tuple[int, int], ...], limit: int) -> list[tuple[tuple[int, int], ...]]:
+    """``ranges`` cut into consecutive groups of at most ``limit`` rows each."""
+    groups: list[tuple[tuple[int, int], ...]] = []
+    current: list[tuple[int, int]] = []
+    room = limit
+    for a, b in ranges:
+        while a < b:
+            take = min(b - a, room)
+            current.append((a, a + take))
+            a, room = a + take, room - take
+            if room == 0:
+                groups.append(tuple(current))
+                current, room = [], limit
+    if current:
+        groups.append(tuple(current))
+    return groups
+
+
+# A run of key positions [ka, kb) of one document, its rows in position order.
+_Run = tuple[int, int, tuple[tuple[int, int], ...]]
+
+
+def _joined(segments: tuple[Segment, ...]) -> list[tuple[int, int, int, int]]:
+    """``(document, start, stop, first row)`` of every run of segments that follow each other
+    in storage and in position (one document): such a run is one view of the storage."""
+    out: list[tuple[int, int, int, int]] = []
+    row = 0
+    for doc, a, b in segments:
+        if out and out[-1][0] == doc and out[-1][2] == a:
+            out[-1] = (doc, out[-1][1], b, out[-1][3])
+        elif b > a:
+            out.append((doc, a, b, row))
+        row += b - a
+    return out
+
+
+def _key_runs(k_segments: tuple[Segment, ...]) -> dict[int, list[_Run]]:
+    """Per document, its key runs (:func:`_joined`; runs are never gathered together: the
+    pairs of a query segment with each run are exact on their own, and a view costs nothing)."""
+    runs: dict[int, list[_Run]] = {}
+    for doc, ka, kb, r in _joined(k_segments):
+        if doc != PADDING:
+            runs.setdefault(doc, []).append((ka, kb, ((r, r + kb - ka),)))
+    return runs
+
+
+def _run_rows(run: _Run, a: float, b: float) -> tuple[tuple[int, int], ...]:
+    """The rows of positions ``[a, b)`` of ``run``."""
+    out, pos = [], run[0]
+    for r0, r1 in run[2]:
+        lo, hi = max(a, pos), min(b, pos + r1 - r0)
+        if hi > lo:
+            out.append((int(r0 + lo - pos), int(r0 + hi - pos)))
+        pos += r1 - r0
     return tuple(out)
 
 
+def _bound(value: float) -> int:
+    return -1 if value == INF else int(value)
+
+
+def _sequences(qa: int, qb: int, run: _Run, lo: float, hi: float):
+    """Sequences ``(class, q0, q1, key rows)`` (positions ``q0 .. q1-1``) of a query segment
+    ``[qa, qb)`` against one key run (Note [kernel calls]: pieces A and B)."""
+    ka, kb = run[0], run[1]
+    qs, qe = max(qa, ka - hi), min(qb, kb - lo)
+    if qs >= qe:
+        return
+    cut = min(max(qs, kb - hi), qe)
+    if cut > qs:  # A: the last key of every row is the row + hi (hi finite here)
+        y = int(cut)
+        yield (_bound(hi - lo), 0), int(qs), y, _run_rows(run, qs + lo, y + hi)
+    if qe > cut:  # B: the run's end cuts every row
+        x, y = int(cut), int(qe)
+        left = -1 if lo == -INF or y - 1 + lo <= ka else int(kb - lo - y)
+        yield (left, -1), x, y, _run_rows(run, x + lo, kb)
+
+
+def _full_sequences(pieces: list[tuple[int, int, tuple[tuple[int, int], ...]]]):
+    """Full pieces ``(q0, q1, key rows)`` of one query segment -> sequences in which each query
+    row sees each of its keys once: cut at every piece edge, keys of the pieces covering each
+    cut joined, neighbours with the same keys merged."""
+    edges = sorted({p[0] for p in pieces} | {p[1] for p in pieces})
+    out: list[tuple[int, int, tuple[tuple[int, int], ...]]] = []
+    for u, v in zip(edges, edges[1:]):
+        keys = coalesce([r for a, b, rows in pieces if a <= u and v <= b for r in rows])
+        if not keys:
+            continue
+        if out and out[-1][1] == u and out[-1][2] == keys:
+            out[-1] = (out[-1][0], v, keys)
+        else:
+            out.append((u, v, keys))
+    return out
+
+
+class _Bins:
+    """The calls of one class: first fit, query rows never overlapping within a call, at most
+    ``max_rows`` query and gathered key rows per call (a longer sequence gets a call alone)."""
+
+    def __init__(self, max_rows: int | None) -> None:
+        self.max_rows = max_rows
+        self.calls: list[tuple[list, list, list[int]]] = []  # q rows, k rows, [q total, k total]
+
+    def add(self, q: tuple[int, int], keys: tuple[tuple[int, int], ...]) -> None:
+        nq, nk = q[1] - q[0], sum(b - a for a, b in keys)
+        for qs, ks, size in self.calls:
+            fits = self.max_rows is None or (size[0] + nq <= self.max_rows and size[1] + nk <= self.max_rows)
+            if qs[-1][1] <= q[0] and fits:
+                qs.append(q)
+                ks.append(keys)
+                size[0], size[1] = size[0] + nq, size[1] + nk
+                return
+        self.calls.append(([q], [keys], [nq, nk]))
+
+
+def _merge_neighbours(sequences, max_rows):
+    """Full sequences, sorted: where one's query rows end where the next's begin and their keys
+    are the same, one sequence (within ``max_rows`` query rows)."""
+    out = []
+    for q, keys in sequences:
+        if out and out[-1][0][1] == q[0] and out[-1][1] == keys and (
+                max_rows is None or q[1] - out[-1][0][0] <= max_rows):
+            out[-1] = ((out[-1][0][0], q[1]), keys)
+        else:
+            out.append((q, keys))
+    return out
+
+
 @functools.lru_cache(maxsize=4096)  # pure, and called every step with the same few layouts
-def plan_blocks(q_segments: tuple[Segment, ...], k_segments: tuple[Segment, ...], causal: bool,
-                window: tuple[int, int] | None = None) -> tuple[Block, ...]:
-    """Kernel calls that cover exactly the visible (query, key) pairs; see Note [causal blocks]
-    and, with a sliding ``window`` ``(left, right)``, Note [window blocks].
-
-    Only segments of the same document meet. For a query segment ``[qa, qb)`` and a key
-    segment ``[ka, kb)`` of one document, causal::
-
-        keys [ka, min(kb, qa))         precede every query row        -> full
-        rows/keys [e, e + m), e = max(ka, qa), m = min(qb, kb) - e     -> square causal
-        rows [kb, qb) x keys [e, kb)   (queries past the key run)      -> full
-
-    Full blocks of one query segment are merged into a single call, and so are adjacent
-    query segments with the same full key rows.
-    """
-    k_by_doc: dict[int, list[tuple[int, int, int]]] = {}
-    row = 0
-    for doc, ka, kb in k_segments:
-        if doc != PADDING:
-            k_by_doc.setdefault(doc, []).append((ka, kb, row))
-        row += kb - ka
+def plan_calls(q_segments: tuple[Segment, ...], k_segments: tuple[Segment, ...], causal: bool,
+               window: tuple[int, int] | None = None, max_rows: int | None = None) -> tuple[KernelCall, ...]:
+    """The kernel calls that cover exactly the visible (query, key) pairs, each once
+    (Note [kernel calls]; Note [causal blocks] for what causal means across chunks)."""
     bounds = normalize_window(window, causal)
-    if bounds is not None:
-        windowed: list[Block] = []
-        qo = 0
-        for doc, qa, qb in q_segments:
-            for ka, kb, ko in k_by_doc.get(doc, ()) if doc != PADDING else ():
-                windowed += _window_blocks(qo, qa, qb, ko, ka, kb, *bounds)
-            qo += qb - qa
-        return tuple(windowed)
-    blocks: list[Block] = []
-    qo = 0
-    for doc, qa, qb in q_segments:
-        full: list[tuple[int, int]] = []
-        extra: list[Block] = []
-        for ka, kb, ko in k_by_doc.get(doc, ()) if doc != PADDING else ():
-            if not causal:
-                full.append((ko, ko + kb - ka))
-                continue
-            if ka < min(kb, qa):
-                full.append((ko, ko + min(kb, qa) - ka))
-            e = max(ka, qa)
-            m = min(qb, kb) - e
-            if m > 0:
-                extra.append(Block((qo + e - qa, qo + e - qa + m), ((ko + e - ka, ko + e - ka + m),), True))
-                if qb > kb:
-                    extra.append(Block((qo + kb - qa, qo + qb - qa), ((ko + e - ka, ko + kb - ka),), False))
-        if full:
-            blocks.append(Block((qo, qo + qb - qa), coalesce(full), False))
-        blocks.extend(extra)
-        qo += qb - qa
-    return _merge_query_runs(blocks)
+    lo, hi = bounds if bounds is not None else (-INF, 0 if causal else INF)
+    runs = _key_runs(k_segments)
+    by_class: dict[tuple[int, int], list[tuple[tuple[int, int], tuple[tuple[int, int], ...]]]] = {}
+    for doc, qa, qb, qo in _joined(q_segments):
+        full = []
+        for run in runs.get(doc, ()) if doc != PADDING else ():
+            for cls, q0, q1, keys in _sequences(qa, qb, run, lo, hi):
+                if cls == (-1, -1):
+                    full.append((q0, q1, keys))
+                else:
+                    by_class.setdefault(cls, []).append(((qo + q0 - qa, qo + q1 - qa), keys))
+        for q0, q1, keys in _full_sequences(full):
+            rows = (qo + q0 - qa, qo + q1 - qa)
+            q_tiles = [rows] if max_rows is None else [
+                (a, min(rows[1], a + max_rows)) for a in range(rows[0], rows[1], max_rows)]
+            k_tiles = [keys] if max_rows is None else _split_ranges(keys, max_rows)
+            by_class.setdefault((-1, -1), []).extend((t, k) for t in q_tiles for k in k_tiles)
+    calls = []
+    for cls in sorted(by_class):
+        sequences = sorted(by_class[cls])
+        if cls == (-1, -1):  # neighbouring query rows with the same keys: one sequence, no key gathered twice
+            sequences = _merge_neighbours(sequences, max_rows)
+        bins = _Bins(max_rows)
+        for q, keys in sequences:
+            bins.add(q, keys)
+        calls += [KernelCall(tuple(qs), tuple(ks), cls) for qs, ks, _ in bins.calls]
+    return tuple(calls)

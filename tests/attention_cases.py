@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_startrail.layout import plan_blocks
+from megatron_startrail.layout import plan_calls
 
 # Max |error| / max |reference| allowed per input dtype (the output and each gradient).
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
@@ -65,19 +65,32 @@ def relative_error(got, want):
     return ((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
 
-def plan_coverage(q_segments, k_segments, causal):
-    """How many times each (query row, key row) pair of local storage is computed."""
+def plan_coverage(q_segments, k_segments, causal, window=None, max_rows=None):
+    """How many times each (query row, key row) pair of local storage is computed by the
+    planned kernel calls, each sequence read with flash-attn's rule (written out here, not
+    taken from the kernels): query r of a sequence of sq queries and sk keys sees key c iff
+    r + sk - sq - left <= c <= r + sk - sq + right. Also checks what the merge relies on:
+    no two sequences of a call share a query row, and every query row sees a key."""
     q_total = sum(b - a for _, a, b in q_segments)
     k_total = sum(b - a for _, a, b in k_segments)
     count = torch.zeros(q_total, k_total, dtype=torch.int64)
-    for block in plan_blocks(q_segments, k_segments, causal):
-        q0, q1 = block.q_rows
-        cols = torch.cat([torch.arange(a, b) for a, b in block.k_rows])
-        sub = torch.ones(q1 - q0, len(cols), dtype=torch.int64)
-        if block.causal:
-            assert q1 - q0 == len(cols), "causal blocks must be square"
-            sub = sub.tril()
-        count[q0:q1, cols] += sub
+    for call in plan_calls(q_segments, k_segments, causal, window, max_rows):
+        left, right = call.window
+        rows = torch.cat([torch.arange(a, b) for a, b in call.q_rows])
+        assert len(set(rows.tolist())) == len(rows), "sequences of one call share a query row"
+        if max_rows is not None:
+            assert len(rows) <= max_rows or len(call.q_rows) == 1
+        for (q0, q1), k_rows in zip(call.q_rows, call.k_rows):
+            cols = torch.cat([torch.arange(a, b) for a, b in k_rows])
+            sq, sk = q1 - q0, len(cols)
+            offset = torch.arange(sk)[None, :] - torch.arange(sq)[:, None] - (sk - sq)
+            sub = torch.ones(sq, sk, dtype=torch.bool)
+            if left >= 0:
+                sub &= offset >= -left
+            if right >= 0:
+                sub &= offset <= right
+            assert sub.any(dim=1).all(), "a query row of a sequence sees no key"
+            count[q0:q1][:, cols] += sub.long()
     return count
 
 

@@ -28,7 +28,7 @@ def test_argument_parsing():
 
 
 def test_tables_have_one_cell_per_column():
-    case = Case("reference", torch.bfloat16, (24, 16), True, (8, 2))
+    case = Case("reference", torch.bfloat16, (24, 16), (-1, 0), (8, 2))
     rows = [AccuracyRow(case, "PASS", {"out": 1e-3, "lse": 2e-6, "dq": 1e-3, "dk": 1e-3, "dv": 1e-3}, ""),
             AccuracyRow(case, "SKIP", {}, "flash_attn needs flash-attn 2.x")]
     table = gpu_check.accuracy_table(rows)
@@ -43,7 +43,7 @@ def test_a_wrong_kernel_is_a_failed_row(monkeypatch):
             return dq * 1.1, dk, dv
 
     monkeypatch.setattr(gpu_check_kernels, "make_kernel", lambda name: Wrong())
-    row = check_case(Case("reference", torch.float32, (16, 16), False, (4, 2)), 20, torch.device("cpu"), frozenset())
+    row = check_case(Case("reference", torch.float32, (16, 16), (37, 0), (4, 2)), 20, torch.device("cpu"), frozenset())
     assert row.status == "FAIL" and row.errors["dq"] > 0.05 and row.errors["out"] < 1e-6
 
 
@@ -59,11 +59,11 @@ def test_cpu_selfcheck_runs_every_part(tmp_path):
     statuses = (" | PASS | ", " | SKIP | ", " | FAIL | ")
     rows = [line.split(" | ") for line in text.splitlines() if any(s in line for s in statuses)]
     assert rows and not any(r[5] == "FAIL" for r in rows)
-    # 2 dtypes x 2 head dims x 2 masks x 2 head layouts per kernel: the CPU kernels pass all,
+    # 2 dtypes x 2 head dims x 4 window classes x 2 head layouts per kernel: the CPU kernels pass all,
     # every CUDA kernel is listed as skipped with the reason.
     for rule in RULES:
         mine = [r for r in rows if r[0] == f"| {rule.name}"]
-        assert len(mine) == 16
+        assert len(mine) == 32
         if rule.device_type == "cuda":
             assert all(r[5] == "SKIP" and "runs on cuda tensors" in r[-1] for r in mine)
         else:
@@ -86,4 +86,4 @@ def test_a_part_that_raises_is_reported_and_fails_the_run(monkeypatch, tmp_path)
                              "--dims", "16/16", "--out", str(out)])
     text = out.read_text()
     assert status == 1 and "## Errors" in text and "RuntimeError: CUDA out of memory (pretend)" in text
-    assert text.count(" | PASS | ") == 4  # the accuracy rows still ran: 2 masks x 2 head layouts
+    assert text.count(" | PASS | ") == 8  # the accuracy rows still ran: 4 window classes x 2 head layouts

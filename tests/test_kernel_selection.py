@@ -3,6 +3,7 @@ MLA head dims at the kernel level, and the CPU-executable parts of the CUDA adap
 (padding, lse rows, op argument plumbing on the meta device, flash-attn name binding)."""
 
 import argparse
+import functools
 import itertools
 import types
 import warnings
@@ -23,7 +24,7 @@ from megatron_startrail.kernels import (
     kernel_constraint,
     kernel_for,
 )
-from megatron_startrail.kernels.flash_attn import _FlashAttnBase, call_by_name
+from megatron_startrail.kernels.flash_attn import FlashAttn3Kernel, FlashAttnKernel, call_by_name
 from megatron_startrail.kernels.padding import (
     EqualHeadDimsKernel,
     common_head_dim,
@@ -34,6 +35,7 @@ from megatron_startrail.kernels.padding import (
 )
 from megatron_startrail.kernels.torch_cuda import TorchCUDACudnnKernel, TorchCUDAEfficientKernel, TorchCUDAFlashKernel
 from megatron_startrail.megatron.arguments import add_startrail_args
+from megatron_startrail.layout import KernelCall
 from tests.attention_cases import TOLERANCE, reference_with_grads, relative_error
 from tests.multiproc import run_ranks
 
@@ -154,6 +156,20 @@ def test_reference_fallback_warns_once_naming_what_is_missing():
 
 # --- MLA head dims at the kernel level (q/k 24, v 16: 192/128 scaled down) ---------------
 
+def one_sequence(sq, sk, causal):
+    return KernelCall(((0, sq),), (((0, sk),),), (-1, 0) if causal else (-1, -1))
+
+
+def varlen(lengths, window):
+    """A call of sequences ``(sq, sk)``, rows packed in order."""
+    q_rows, k_rows, a, b = [], [], 0, 0
+    for sq, sk in lengths:
+        q_rows.append((a, a + sq))
+        k_rows.append(((b, b + sk),))
+        a, b = a + sq, b + sk
+    return KernelCall(tuple(q_rows), tuple(k_rows), window)
+
+
 @pytest.mark.parametrize("kernel", [ReferenceKernel(), TorchCPUFlashKernel()], ids=lambda k: k.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kv_heads", [4, 2])
@@ -167,42 +183,43 @@ def test_mla_head_dims_forward_backward(kernel, dtype, kv_heads, causal):
     )
     scale = dqk**-0.5
     ref = reference_with_grads(*(t.double() for t in (q, k, v, dout)), causal, scale)
-    bhsd = lambda x: x.permute(1, 2, 0, 3)  # noqa: E731 - the schedule's [b, h, s, d] views
-    out, lse = kernel.forward(bhsd(q), bhsd(k), bhsd(v), causal=causal, scale=scale)
-    assert out.shape == (b, h, s, dv) and lse.shape == (b, h, s)
-    grads = kernel.backward(bhsd(dout), bhsd(q), bhsd(k), bhsd(v), out, lse, causal=causal, scale=scale)
+    call = one_sequence(s, s, causal)
+    out, lse = kernel.forward(q, k, v, call, scale=scale)
+    assert out.shape == (s, b, h, dv) and lse.shape == (b, h, s)
+    grads = kernel.backward(dout, q, k, v, out, lse, call, scale=scale)
     for got, want in zip((out, *grads), ref):
-        assert got.shape == bhsd(want).shape
-        assert relative_error(got.permute(2, 0, 1, 3), want) <= TOLERANCE[dtype]
+        assert got.shape == want.shape
+        assert relative_error(got, want) <= TOLERANCE[dtype]
 
 
-class _PaddedReference(EqualHeadDimsKernel):
+class _PaddedReference(EqualHeadDimsKernel, ReferenceKernel):
     """The reference kernel behind the padding wrapper, refusing unequal dims like fused ops."""
 
     name = "padded_reference"
     head_dim_multiple = 8
 
-    def _forward(self, q, k, v, *, causal, scale):
+    def _attend(self, q, k, v, **kwargs):
         assert q.shape[-1] == k.shape[-1] == v.shape[-1] and q.shape[-1] % 8 == 0
-        return ReferenceKernel().forward(q, k, v, causal=causal, scale=scale)
+        return super()._attend(q, k, v, **kwargs)
 
-    def _backward(self, dout, q, k, v, out, lse, *, causal, scale):
+    def _attend_backward(self, dout, q, k, v, out, lse, **kwargs):
         assert len({t.shape[-1] for t in (dout, q, k, v, out)}) == 1
-        return ReferenceKernel().backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+        return super()._attend_backward(dout, q, k, v, out, lse, **kwargs)
 
 
 @pytest.mark.parametrize("dqk, dv", [(12, 7), (7, 12), (16, 16)])
 def test_head_dim_padding_is_exact(dqk, dv):
     gen = torch.Generator().manual_seed(3)
-    q, k = torch.randn(2, 4, 9, dqk, generator=gen, dtype=torch.float64), torch.randn(2, 2, 9, dqk, generator=gen, dtype=torch.float64)
-    v, dout = torch.randn(2, 2, 9, dv, generator=gen, dtype=torch.float64), torch.randn(2, 4, 9, dv, generator=gen, dtype=torch.float64)
+    call = varlen([(9, 9), (4, 7)], (-1, 0))
+    q, k = torch.randn(13, 2, 4, dqk, generator=gen, dtype=torch.float64), torch.randn(16, 2, 2, dqk, generator=gen, dtype=torch.float64)
+    v, dout = torch.randn(16, 2, 2, dv, generator=gen, dtype=torch.float64), torch.randn(13, 2, 4, dv, generator=gen, dtype=torch.float64)
     ref, padded = ReferenceKernel(), _PaddedReference()
-    out, lse = ref.forward(q, k, v, causal=True, scale=0.3)
-    pout, plse = padded.forward(q, k, v, causal=True, scale=0.3)
+    out, lse = ref.forward(q, k, v, call, scale=0.3)
+    pout, plse = padded.forward(q, k, v, call, scale=0.3)
     assert pout.shape == out.shape and torch.allclose(pout, out, rtol=0, atol=1e-13)
     assert torch.allclose(plse, lse, rtol=0, atol=1e-13)
-    for got, want in zip(padded.backward(dout, q, k, v, out, lse, causal=True, scale=0.3),
-                         ref.backward(dout, q, k, v, out, lse, causal=True, scale=0.3)):
+    for got, want in zip(padded.backward(dout, q, k, v, out, lse, call, scale=0.3),
+                         ref.backward(dout, q, k, v, out, lse, call, scale=0.3)):
         assert got.shape == want.shape and torch.allclose(got, want, rtol=0, atol=1e-12)
 
 
@@ -224,74 +241,102 @@ def test_padding_and_lse_row_helpers():
 @pytest.mark.parametrize("kernel", [TorchCUDAFlashKernel(), TorchCUDAEfficientKernel(), TorchCUDACudnnKernel()],
                          ids=lambda k: k.name)
 @pytest.mark.parametrize("dqk, dv, kv_heads", [(64, 64, 4), (64, 64, 1), (192, 128, 2), (60, 60, 4)])
-def test_cuda_adapters_call_the_ops_with_their_schemas(kernel, dqk, dv, kv_heads):
-    b, h, sq, sk = 2, 4, 50, 70
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (16, 0)], ids=str)
+def test_cuda_adapters_call_the_ops_with_their_schemas(kernel, dqk, dv, kv_heads, window):
+    b, h = 2, 4
+    call = varlen([(50, 70), (30, 30)], window)
     meta = lambda *shape: torch.empty(*shape, device="meta", dtype=torch.bfloat16)  # noqa: E731
-    q, k, v = meta(b, h, sq, dqk), meta(b, kv_heads, sk, dqk), meta(b, kv_heads, sk, dv)
-    out, lse = kernel.forward(q, k, v, causal=False, scale=0.1)
-    assert out.shape == (b, h, sq, dv) and lse.shape == (b, h, sq) and lse.dtype == torch.float32
-    dq, dk, dv_ = kernel.backward(meta(b, h, sq, dv), q, k, v, out, lse, causal=False, scale=0.1)
+    q, k, v = meta(80, b, h, dqk), meta(100, b, kv_heads, dqk), meta(100, b, kv_heads, dv)
+    out, lse = kernel.forward(q, k, v, call, scale=0.1)
+    assert out.shape == (80, b, h, dv) and lse.shape == (b, h, 80) and lse.dtype == torch.float32
+    dq, dk, dv_ = kernel.backward(meta(80, b, h, dv), q, k, v, out, lse, call, scale=0.1)
     assert (dq.shape, dk.shape, dv_.shape) == (q.shape, k.shape, v.shape)
 
 
+def _reference_varlen(q, k, v, cu_q, cu_k, window):
+    """The reference kernel on flash-attn's folded ``[total, h, d]`` tensors (batch 1)."""
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    call = KernelCall(tuple(zip(cq, cq[1:])), tuple(((a, b),) for a, b in zip(ck, ck[1:])), window)
+    return call, [x.unsqueeze(1) for x in (q, k, v)]
+
+
 def _fake_flash_interface(version):
-    """A stand-in flash-attn module ([b, s, h, d], GQA) backed by the reference kernel, with
-    the forward/backward signatures of flash-attn 2.7 (``version=2``) or 3.x (``version=3``)."""
-    t = lambda x: x.transpose(1, 2)  # noqa: E731
+    """A stand-in flash-attn module (variable length, [total, h, d], GQA) backed by the
+    reference kernel, with the signatures of flash-attn 2.7 (``version=2``) or 3.x (``3``)."""
     ref = ReferenceKernel()
 
-    def fwd(q, k, v, softmax_scale, causal):
-        assert q.stride(-1) == 1 and q.shape[-1] % 8 == 0 and q.shape[-1] == v.shape[-1]
-        out, lse = ref.forward(t(q), t(k), t(v), causal=causal, scale=softmax_scale)
-        return t(out), lse
+    def window_of(causal, window_size):
+        return (-1, 0) if causal else tuple(window_size)
 
-    def bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal):
-        g = ref.backward(t(dout), t(q), t(k), t(v), t(out), softmax_lse, causal=causal, scale=softmax_scale)
+    def fwd(q, k, v, cu_q, cu_k, softmax_scale, window):
+        assert q.stride(-1) == 1 and q.shape[-1] % 8 == 0 and q.shape[-1] == v.shape[-1]
+        call, (q4, k4, v4) = _reference_varlen(q, k, v, cu_q, cu_k, window)
+        out, lse = ref.forward(q4, k4, v4, call, scale=softmax_scale)
+        return out.squeeze(1), lse.squeeze(0)  # [total, h, d], [h, total]
+
+    def bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_q, cu_k, softmax_scale, window):
+        call, (q4, k4, v4) = _reference_varlen(q, k, v, cu_q, cu_k, window)
+        g = ref.backward(dout.unsqueeze(1), q4, k4, v4, out.unsqueeze(1), softmax_lse.unsqueeze(0), call,
+                         scale=softmax_scale)
         for dst, src in zip((dq, dk, dv), g):
-            dst.copy_(t(src))
+            dst.copy_(src.squeeze(1))
 
     if version == 2:
-        def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                            softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
-            out, lse = fwd(q, k, v, softmax_scale, causal)
+        def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                   softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                   alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None):
+            out, lse = fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_of(causal, window_size))
             return (out, lse, None) if return_attn_probs else out
 
-        def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-                                 window_size_left, window_size_right, softcap, alibi_slopes, deterministic,
-                                 rng_state=None):
-            assert dropout_p == 0.0 and window_size_left == -1 and alibi_slopes is None
-            bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal)
-    else:
-        def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                            deterministic=False, sm_margin=0, return_attn_probs=False):
-            out, lse = fwd(q, k, v, softmax_scale, causal)
-            return (out, lse) if return_attn_probs else out
+        def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                                        max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                                        window_size_left, window_size_right, softcap, alibi_slopes, deterministic,
+                                        rng_state=None, zero_tensors=False):
+            assert dropout_p == 0.0 and alibi_slopes is None and max_seqlen_q == int((cu_seqlens_q.diff()).max())
+            bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, softmax_scale,
+                window_of(causal, (window_size_left, window_size_right)))
 
-        def _flash_attn_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, sequed_q, sequed_k,
-                                 max_seqlen_q, max_seqlen_k, dq, dk, dv, softmax_scale, is_causal,
-                                 window_size_left=-1, window_size_right=-1, softcap=0.0, deterministic=False,
-                                 sm_margin=0):
-            assert cu_seqlens_q is None and max_seqlen_q is None
-            bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, is_causal)
+        return types.SimpleNamespace(flash_attn_varlen_func=flash_attn_varlen_func,
+                                     _flash_attn_varlen_backward=_flash_attn_varlen_backward, __name__="fa2")
 
-    return types.SimpleNamespace(flash_attn_func=flash_attn_func, _flash_attn_backward=_flash_attn_backward)
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
+                               seqused_k=None, softmax_scale=None, causal=False, qv=None, q_descale=None,
+                               k_descale=None, v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0,
+                               num_splits=1, pack_gqa=None, deterministic=False, sm_margin=0,
+                               return_attn_probs=False):
+        out, lse = fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_of(causal, window_size))
+        return (out, lse) if return_attn_probs else out
+
+    def _flash_attn_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, sequed_q, sequed_k,
+                             max_seqlen_q, max_seqlen_k, dq, dk, dv, softmax_scale, is_causal,
+                             window_size_left=-1, window_size_right=-1, softcap=0.0, deterministic=False,
+                             sm_margin=0):
+        assert sequed_q is None and max_seqlen_k == int((cu_seqlens_k.diff()).max())
+        bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, softmax_scale,
+            window_of(is_causal, (window_size_left, window_size_right)))
+
+    return types.SimpleNamespace(flash_attn_varlen_func=flash_attn_varlen_func,
+                                 _flash_attn_backward=_flash_attn_backward, __name__="fa3")
 
 
 @pytest.mark.parametrize("version", [2, 3])
 @pytest.mark.parametrize("dqk, dv", [(24, 16), (16, 16)])
-def test_flash_attn_adapters_layout_and_backward_arguments(version, dqk, dv):
-    kernel = _FlashAttnBase()
+@pytest.mark.parametrize("window", [(-1, 0), (-1, -1), (3, 0), (0, -1)], ids=str)
+def test_flash_attn_adapters_layout_and_backward_arguments(version, dqk, dv, window):
+    kernel = object.__new__(FlashAttnKernel if version == 2 else FlashAttn3Kernel)
     kernel._interface = _fake_flash_interface(version)
     gen = torch.Generator().manual_seed(11)
-    s, b, h, kvh = 10, 2, 4, 2
+    call = varlen([(10, 10), (4, 9), (7, 12)], window)
+    b, h, kvh = 2, 4, 2  # batch 2: folded into the rows, every sequence once per sample
     q, k, v, dout = (torch.randn(shape, generator=gen, dtype=torch.float64)
-                     for shape in [(s, b, h, dqk), (s, b, kvh, dqk), (s, b, kvh, dv), (s, b, h, dv)])
-    ref = reference_with_grads(q, k, v, dout, True, 0.25)
-    bhsd = lambda x: x.permute(1, 2, 0, 3)  # noqa: E731
-    out, lse = kernel.forward(bhsd(q), bhsd(k), bhsd(v), causal=True, scale=0.25)
-    grads = kernel.backward(bhsd(dout), bhsd(q), bhsd(k), bhsd(v), out, lse, causal=True, scale=0.25)
-    for got, want in zip((out, *grads), ref):
-        assert relative_error(got.permute(2, 0, 1, 3), want) <= 1e-12
+                     for shape in [(21, b, h, dqk), (31, b, kvh, dqk), (31, b, kvh, dv), (21, b, h, dv)])
+    ref = ReferenceKernel()
+    want_out, want_lse = ref.forward(q, k, v, call, scale=0.25)
+    want = ref.backward(dout, q, k, v, want_out, want_lse, call, scale=0.25)
+    out, lse = kernel.forward(q, k, v, call, scale=0.25)
+    grads = kernel.backward(dout, q, k, v, out, lse, call, scale=0.25)
+    for got, ref_t in zip((out, lse, *grads), (want_out, want_lse, *want)):
+        assert got.shape == ref_t.shape and relative_error(got, ref_t) <= 1e-12
 
 
 @torch.library.custom_op("startrail_test::fake_flash_backward", mutates_args=("dq",), device_types="cpu")
@@ -304,7 +349,7 @@ def _custom_op_backward(dout: torch.Tensor, dq: torch.Tensor, softmax_scale: flo
 def test_call_by_name_through_a_torch_library_custom_op():
     # flash-attn >= 2.7 wraps _flash_attn_backward in torch.library.custom_op.
     dout, dq = torch.randn(5), torch.empty(5)
-    call_by_name(_custom_op_backward, dout=dout, dq=dq, softmax_scale=0.5, causal=True)
+    call_by_name(_custom_op_backward, dout=dout, dq=dq, softmax_scale=0.5, causal=True, window_size_left=-1)
     assert torch.equal(dq, dout * 0.5)
 
 
@@ -360,32 +405,49 @@ def test_forced_kernel_errors_on_every_rank_before_communication():
 
 class _EmulatedAtenOps:
     """The three CUDA attention ops emulated in float64 on the CPU, with their conventions:
-    no GQA, one head dim (flash, cuDNN), lse padded to 32 rows with junk (efficient) or
-    ``[b, h, sq, 1]`` (cuDNN), and the backward asserting it gets them back that way."""
+    flash variable length with flash-attn's window, GQA and ``[total, h, d]`` / lse
+    ``[h, total]``; efficient and cuDNN per sequence, no GQA, an additive bias for a mask,
+    one head dim (cuDNN), lse padded to 32 rows with junk (efficient) or ``[b, h, sq, 1]``
+    (cuDNN), and the backward asserting it gets them back that way."""
 
     ref = ReferenceKernel()
 
-    def _fwd(self, q, k, v, causal, scale, equal_dims):
+    def _dense(self, q, k, v, bias, causal, scale, equal_dims):
         assert q.shape[1] == k.shape[1] == v.shape[1], "the ops take no GQA"
         assert q.shape[-1] % 8 == 0 and v.shape[-1] % 8 == 0
         assert not equal_dims or q.shape[-1] == k.shape[-1] == v.shape[-1]
-        return self.ref.forward(q, k, v, causal=causal, scale=scale)
+        mask = None if bias is None else bias[0, 0] == 0
+        return self.ref._attend(q, k, v, causal=causal, mask=mask, scale=scale)
 
-    def _bwd(self, dout, q, k, v, out, lse, causal, scale):
-        return self.ref.backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+    def _dense_bwd(self, dout, q, k, v, out, lse, bias, causal, scale):
+        mask = None if bias is None else bias[0, 0] == 0
+        return self.ref._attend_backward(dout, q, k, v, out, lse, causal=causal, mask=mask, scale=scale)
 
-    def _scaled_dot_product_flash_attention(self, q, k, v, dropout_p, is_causal, debug, *, scale):
-        out, lse = self._fwd(q, k, v, is_causal, scale, True)
-        return out, lse, None, None, q.shape[2], k.shape[2], None, None, None
+    @staticmethod
+    def _window(is_causal, left, right):
+        assert not (is_causal and (left is not None or right is not None))
+        return (-1, 0) if is_causal else (left, right)
 
-    def _scaled_dot_product_flash_attention_backward(self, dout, q, k, v, out, lse, cq, ck, mq, mk, p, is_causal,
-                                                     seed, offset, *, scale):
-        assert cq is None and ck is None and (mq, mk) == (q.shape[2], k.shape[2]) and p == 0.0
-        return self._bwd(dout, q, k, v, out, lse, is_causal, scale)
+    def _flash_attention_forward(self, q, k, v, cq, ck, mq, mk, p, is_causal, debug, *, scale,
+                                 window_size_left=None, window_size_right=None):
+        assert p == 0.0 and q.shape[-1] == v.shape[-1] and q.shape[-1] % 8 == 0
+        call, (q4, k4, v4) = _reference_varlen(q, k, v, cq, ck, self._window(is_causal, window_size_left,
+                                                                              window_size_right))
+        assert (mq, mk) == (call.max_seqlen_q, call.max_seqlen_k)
+        out, lse = self.ref.forward(q4, k4, v4, call, scale=scale)
+        return out.squeeze(1), lse.squeeze(0), None, None, None
+
+    def _flash_attention_backward(self, dout, q, k, v, out, lse, cq, ck, mq, mk, p, is_causal, seed, offset, *,
+                                  scale, window_size_left=None, window_size_right=None):
+        assert lse.is_contiguous() and lse.shape == (q.shape[1], q.shape[0])
+        call, (q4, k4, v4) = _reference_varlen(q, k, v, cq, ck, self._window(is_causal, window_size_left,
+                                                                              window_size_right))
+        g = self.ref.backward(dout.unsqueeze(1), q4, k4, v4, out.unsqueeze(1), lse.unsqueeze(0), call, scale=scale)
+        return tuple(x.squeeze(1) for x in g)
 
     def _scaled_dot_product_efficient_attention(self, q, k, v, bias, compute_lse, p, is_causal, *, scale):
-        assert bias is None and compute_lse and p == 0.0
-        out, lse = self._fwd(q, k, v, is_causal, scale, False)
+        assert compute_lse and p == 0.0
+        out, lse = self._dense(q, k, v, bias, is_causal, scale, False)
         padded = torch.full((*lse.shape[:2], -(-lse.shape[2] // 32) * 32), float("nan"), dtype=lse.dtype)
         padded[..., : lse.shape[2]] = lse
         return out, padded, None, None
@@ -393,42 +455,42 @@ class _EmulatedAtenOps:
     def _scaled_dot_product_efficient_attention_backward(self, dout, q, k, v, bias, out, lse, seed, offset, p, mask,
                                                          is_causal, *, scale):
         assert lse.shape[-1] % 32 == 0 and lse.is_contiguous() and list(mask) == [True, True, True, False]
-        return (*self._bwd(dout, q, k, v, out, lse[..., : q.shape[2]], is_causal, scale), None)
+        return (*self._dense_bwd(dout, q, k, v, out, lse[..., : q.shape[2]], bias, is_causal, scale), None)
 
     def _scaled_dot_product_cudnn_attention(self, q, k, v, bias, compute_lse, p, is_causal, debug, *, scale):
-        out, lse = self._fwd(q, k, v, is_causal, scale, True)
+        out, lse = self._dense(q, k, v, bias, is_causal, scale, True)
         return out, lse.unsqueeze(-1), None, None, q.shape[2], k.shape[2], None, None, None
 
     def _scaled_dot_product_cudnn_attention_backward(self, dout, q, k, v, out, lse, seed, offset, bias, cq, ck, mq,
                                                      mk, p, is_causal, *, scale):
         assert lse.dim() == 4 and lse.shape[-1] == 1 and all(t.is_contiguous() for t in (dout, q, k, v, out))
-        return self._bwd(dout, q, k, v, out, lse.squeeze(-1), is_causal, scale)
+        return self._dense_bwd(dout, q, k, v, out, lse.squeeze(-1), bias, is_causal, scale)
 
 
 @pytest.mark.parametrize("kernel", [TorchCUDAFlashKernel(), TorchCUDAEfficientKernel(), TorchCUDACudnnKernel()],
                          ids=lambda k: k.name)
 @pytest.mark.parametrize("dqk, dv", [(24, 16), (20, 20), (12, 20)])
-@pytest.mark.parametrize("causal", [True, False])
-def test_cuda_adapters_against_emulated_ops(monkeypatch, kernel, dqk, dv, causal):
-    # GQA expansion, head-dim padding (MLA, and dims not a multiple of 8) and the ops' lse
-    # layouts, end to end in float64 against the reference; sq = 40 is not a multiple of 32.
+@pytest.mark.parametrize("window", [(-1, 0), (-1, -1), (5, 0), (0, -1)], ids=str)
+def test_cuda_adapters_against_emulated_ops(monkeypatch, kernel, dqk, dv, window):
+    # GQA, head-dim padding (MLA, and dims not a multiple of 8), the ops' lse layouts and
+    # flash-attn's window rule over a variable-length call (sequences of unequal lengths,
+    # batch 2), end to end in float64 against the reference; 40 rows is not a multiple of 32.
     from megatron_startrail.kernels import torch_cuda
 
     monkeypatch.setattr(torch_cuda, "_aten", _EmulatedAtenOps())
     gen = torch.Generator().manual_seed(13)
-    sq, b, h, kvh = 40, 2, 4, 2
-    sk = sq if causal else 56
+    call = varlen([(40, 40), (9, 16)], window)
+    b, h, kvh = 2, 4, 2
     q, k, v, dout = (torch.randn(shape, generator=gen, dtype=torch.float64)
-                     for shape in [(sq, b, h, dqk), (sk, b, kvh, dqk), (sk, b, kvh, dv), (sq, b, h, dv)])
-    bhsd = lambda x: x.permute(1, 2, 0, 3)  # noqa: E731
-    want_out, want_lse = ReferenceKernel().forward(bhsd(q), bhsd(k), bhsd(v), causal=causal, scale=0.2)
-    want = ReferenceKernel().backward(bhsd(dout), bhsd(q), bhsd(k), bhsd(v), want_out, want_lse, causal=causal,
-                                      scale=0.2)
-    out, lse = kernel.forward(bhsd(q), bhsd(k), bhsd(v), causal=causal, scale=0.2)
-    assert lse.shape == (b, h, sq) and torch.allclose(lse, want_lse, rtol=0, atol=1e-12)
-    grads = kernel.backward(bhsd(dout), bhsd(q), bhsd(k), bhsd(v), out, lse, causal=causal, scale=0.2)
-    for got, ref in zip((out, *grads), (want_out, *want)):
-        assert got.shape == ref.shape and torch.allclose(got, ref, rtol=0, atol=1e-12)
+                     for shape in [(49, b, h, dqk), (56, b, kvh, dqk), (56, b, kvh, dv), (49, b, h, dv)])
+    ref = ReferenceKernel()
+    want_out, want_lse = ref.forward(q, k, v, call, scale=0.2)
+    want = ref.backward(dout, q, k, v, want_out, want_lse, call, scale=0.2)
+    out, lse = kernel.forward(q, k, v, call, scale=0.2)
+    assert lse.shape == (b, h, 49) and torch.allclose(lse, want_lse, rtol=0, atol=1e-12)
+    grads = kernel.backward(dout, q, k, v, out, lse, call, scale=0.2)
+    for got, ref_t in zip((out, *grads), (want_out, *want)):
+        assert got.shape == ref_t.shape and torch.allclose(got, ref_t, rtol=0, atol=1e-12)
 
 
 def test_megatron_flag_is_checked_at_start_up(monkeypatch):
@@ -456,3 +518,37 @@ def test_megatron_flag_is_checked_at_start_up(monkeypatch):
     other = "torch_cpu_flash" if device == "cuda" else "torch_cuda_efficient"
     with pytest.raises(ValueError, match=f"--startrail-kernel {other} .*runs on .* tensors, these are on {device}"):
         validate_startrail_args(parse("--startrail-kernel", other))
+
+
+def test_deterministic_mode_reaches_the_kernels(monkeypatch):
+    """--deterministic-mode: StarTrailConfig.deterministic, set by config_from_args, built into
+    the kernel, and passed to flash-attn's forward and backward (PyTorch's own ops follow
+    torch.use_deterministic_algorithms, which Megatron's flag sets)."""
+    from tests.megatron.utils import cpu_patches  # noqa: F401, PLC0415 - import shims before megatron
+    from megatron_startrail.megatron.from_args import config_from_args  # noqa: PLC0415
+
+    args = types.SimpleNamespace(startrail_team_size=1, ulysses_degree_in_cp=1, startrail_backward_rotation="auto",
+                                 startrail_transfer="ring", startrail_regather_in_backward=False,
+                                 startrail_kernel="auto", startrail_serial_reverse_send=False, deterministic_mode=True)
+    assert config_from_args(args).deterministic is True
+    assert kernels.make_kernel("reference", deterministic=True).deterministic is True
+    seen = []
+    interface = _fake_flash_interface(2)
+    forward, backward = interface.flash_attn_varlen_func, interface._flash_attn_varlen_backward
+
+    def recording(name, fn):
+        @functools.wraps(fn)  # the adapter binds arguments by fn's parameter names
+        def wrapper(**kwargs):
+            seen.append((name, kwargs["deterministic"]))
+            return fn(**kwargs)
+        return wrapper
+
+    recording_forward, recording_backward = recording("forward", forward), recording("backward", backward)
+    interface.flash_attn_varlen_func, interface._flash_attn_varlen_backward = recording_forward, recording_backward
+    kernel = object.__new__(FlashAttnKernel)
+    kernel._interface, kernel.deterministic = interface, True
+    q, k, v = (torch.randn(6, 1, 2, 8, dtype=torch.float64) for _ in range(3))
+    call = one_sequence(6, 6, True)
+    out, lse = kernel.forward(q, k, v, call, scale=0.3)
+    kernel.backward(torch.ones_like(out), q, k, v, out, lse, call, scale=0.3)
+    assert seen == [("forward", True), ("backward", True)]

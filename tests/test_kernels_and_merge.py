@@ -6,9 +6,10 @@ import torch
 from megatron_startrail.blocks import merge_lse_, merge_partials
 from megatron_startrail.kernels import ReferenceKernel, TorchCPUFlashKernel, kernel_for
 from megatron_startrail.layout import (
+    KernelCall,
     cp_rank_segments,
     dense_sequence,
-    plan_blocks,
+    plan_calls,
     segment_rows,
     split_rows,
     split_segments,
@@ -25,91 +26,151 @@ def whole_chunks(chunks, chunk_len):
     return tuple((0, c * chunk_len, (c + 1) * chunk_len) for c in chunks)
 
 
-def _bhsd(x):
-    return x.permute(1, 2, 0, 3)
+def flash_rule(sq, sk, window):
+    """flash-attn's variable-length mask of one sequence, written out from its documentation:
+    query r sees key c iff r + sk - sq - left <= c <= r + sk - sq + right (-1: unbounded)."""
+    left, right = window
+    r, c = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
+    mask = torch.ones(sq, sk, dtype=torch.bool)
+    if left >= 0:
+        mask &= c >= r + sk - sq - left
+    if right >= 0:
+        mask &= c <= r + sk - sq + right
+    return mask
+
+
+def float64_call(q, k, v, dout, call, scale):
+    """A call's out, lse and gradients in float64 by autograd, sequence by sequence with
+    :func:`flash_rule`; nothing of the project's kernels. ``[T, b, h, d]`` tensors."""
+    q, k, v = (t.double().requires_grad_(True) for t in (q, k, v))
+    outs, lses = [], []
+    cq, ck = call.cu_seqlens_q, call.cu_seqlens_k
+    for i in range(len(cq) - 1):
+        qi, ki, vi = q[cq[i]:cq[i + 1]], k[ck[i]:ck[i + 1]], v[ck[i]:ck[i + 1]]
+        ki = ki.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+        vi = vi.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+        scores = torch.einsum("qbhd,kbhd->bhqk", qi, ki) * scale
+        scores = scores.masked_fill(~flash_rule(qi.shape[0], ki.shape[0], call.window), float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)  # [b, h, sq]
+        probs = torch.exp(scores - lse.masked_fill(lse.isneginf(), 0)[..., None])
+        outs.append(torch.einsum("bhqk,kbhd->qbhd", probs, vi))
+        lses.append(lse)
+    out, lse = torch.cat(outs), torch.cat(lses, dim=-1)
+    out.backward(dout.double())
+    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+
+def random_call(gen, window, n_seq=3):
+    """A call of ``n_seq`` sequences of random, unequal lengths (rows packed in order)."""
+    lq = torch.randint(1, 9, (n_seq,), generator=gen).tolist()
+    lk = torch.randint(1, 9, (n_seq,), generator=gen).tolist()
+    q_rows, k_rows, a, b = [], [], 0, 0
+    for x, y in zip(lq, lk):
+        q_rows.append((a, a + x))
+        k_rows.append(((b, b + y),))
+        a, b = a + x, b + y
+    return KernelCall(tuple(q_rows), tuple(k_rows), window)
+
+
+WINDOWS = [(-1, -1), (-1, 0), (3, 0), (0, -1), (2, 1), (4, -1), (-1, 2)]
 
 
 @pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
-@pytest.mark.parametrize("causal", [True, False])
-def test_block_kernel_forward_backward(kernel, dtype, kv_heads, causal):
-    gen = torch.Generator().manual_seed(5)
-    s, b, h, d = 12, 2, 4, 8
-    q, k, v, dout = (
-        torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
-        for shape in [(s, b, h, d), (s, b, kv_heads, d), (s, b, kv_heads, d), (s, b, h, d)]
-    )
+@pytest.mark.parametrize("window", WINDOWS, ids=str)
+def test_block_kernel_has_flash_attns_varlen_semantics(kernel, dtype, kv_heads, window):
+    """Sequences of unequal query and key lengths in one call, every window class the planner
+    makes (causal bottom-right aligned), GQA/MQA, MLA's v head dim: against float64."""
+    gen = torch.Generator().manual_seed(5 + kv_heads)
+    call = random_call(gen, window)
+    tq, tk = call.cu_seqlens_q[-1], call.cu_seqlens_k[-1]
+    b, h, d, dv = 2, 4, 8, 6
+    q, k, v, dout = (torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+                     for shape in [(tq, b, h, d), (tk, b, kv_heads, d), (tk, b, kv_heads, dv), (tq, b, h, dv)])
     scale = d**-0.5
-    ref_out, ref_dq, ref_dk, ref_dv = reference_with_grads(
-        *(t.double() for t in (q, k, v, dout)), causal, scale
-    )
-    # Kernels take [b, h, s, d] views of sequence-first tensors, as the schedule passes them.
-    out, lse = kernel.forward(_bhsd(q), _bhsd(k), _bhsd(v), causal=causal, scale=scale)
-    assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (b, h, s)
-    dq, dk, dv = kernel.backward(_bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), out, lse, causal=causal, scale=scale)
+    ref_out, ref_lse, ref_dq, ref_dk, ref_dv = float64_call(q, k, v, dout, call, scale)
+    out, lse = kernel.forward(q, k, v, call, scale=scale)
+    assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (b, h, tq) and out.shape == (tq, b, h, dv)
+    seen = ~ref_lse.isneginf()  # rows that see no key: out 0, lse -inf (flash-attn returns them too)
+    assert torch.equal(~lse.isneginf(), seen)
+    assert out.double().permute(1, 2, 0, 3)[~seen].abs().max().item() == 0 if (~seen).any() else True
     tol = TOLERANCE[dtype]
-    assert relative_error(out.permute(2, 0, 1, 3), ref_out) <= tol
-    for got, want in ((dq, ref_dq), (dk, ref_dk), (dv, ref_dv)):
-        assert got.shape == _bhsd(want).shape
-        assert relative_error(got.permute(2, 0, 1, 3), want) <= tol
+    assert relative_error(out, ref_out) <= tol
+    assert relative_error(lse[seen], ref_lse[seen]) <= tol
+    if (~seen).any():
+        return  # flash-attn's backward is not defined for rows that see nothing; the planner makes none
+    dq, dk, dv_ = kernel.backward(dout, q, k, v, out, lse, call, scale=scale)
+    for got, want in ((dq, ref_dq), (dk, ref_dk), (dv_, ref_dv)):
+        assert got.shape == want.shape
+        assert relative_error(got, want) <= tol
 
 
 def test_reference_kernel_is_exact_in_float64():
     gen = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(10, 1, 2, 4, generator=gen, dtype=torch.float64) for _ in range(3))
-    out, lse = ReferenceKernel().forward(_bhsd(q), _bhsd(k), _bhsd(v), causal=True, scale=0.5)
-    want = reference_with_grads(q, k, v, torch.ones_like(q), True, 0.5)[0]
-    assert relative_error(out.permute(2, 0, 1, 3), want) <= 1e-14
+    call = random_call(gen, (-1, 0))
+    tq, tk = call.cu_seqlens_q[-1], call.cu_seqlens_k[-1]
+    q, dout = (torch.randn(tq, 1, 2, 4, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(tk, 1, 2, 4, generator=gen, dtype=torch.float64) for _ in range(2))
+    out, lse = ReferenceKernel().forward(q, k, v, call, scale=0.5)
+    want = float64_call(q, k, v, dout, call, 0.5)
+    assert relative_error(out, want[0]) <= 1e-14
 
 
 def float64_attention(q, k, v, dout, scale):
-    """Plain float64 softmax attention on ``[b, h, s, d]`` (no mask): out, lse and the
-    gradients of q, k, v for ``dout``, by autograd; nothing of the project's kernels."""
+    """Plain float64 softmax attention on ``[s, b, h, d]`` (no mask): out, lse ``[b, h, s]``
+    and the gradients of q, k, v for ``dout``, by autograd; nothing of the project's kernels."""
     q, k, v = (t.double().requires_grad_(True) for t in (q, k, v))
-    scores = (q @ k.transpose(-1, -2)) * scale  # [b, h, sq, sk]
-    out = torch.softmax(scores, dim=-1) @ v
+    scores = torch.einsum("qbhd,kbhd->bhqk", q, k) * scale
+    out = torch.einsum("bhqk,kbhd->qbhd", torch.softmax(scores, dim=-1), v)
     out.backward(dout.double())
     return out.detach(), torch.logsumexp(scores, dim=-1).detach(), q.grad, k.grad, v.grad
 
 
 @pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.name)
 def test_block_backward_with_merged_lse_is_exact_per_block(kernel):
-    # The schedule's premise: keys split in blocks, forward parts merged by lse, then each
-    # block's backward run with the *merged* (final) out and lse gives that block's exact
+    # The schedule's premise: keys split in calls, forward parts merged by lse, then each
+    # call's backward run with the *merged* (final) out and lse gives that call's exact
     # share of the gradients. Checked against float64 attention over all keys, not against
     # the kernel on the whole key range (a kernel bug would then cancel out).
     gen = torch.Generator().manual_seed(2)
-    q, k, v, dout = (torch.randn(1, 2, 16, 8, generator=gen) for _ in range(4))
+    q, k, v, dout = (torch.randn(16, 1, 2, 8, generator=gen) for _ in range(4))
     scale = 0.3
     ref_out, ref_lse, ref_dq, ref_dk, ref_dv = float64_attention(q, k, v, dout, scale)
     blocks = [(0, 5), (5, 11), (11, 16)]  # uneven key blocks
+    calls = [KernelCall(((0, 16),), (((a, b),),)) for a, b in blocks]
     acc_out = torch.zeros(1, 2, 16, 8)
     acc_lse = torch.full((1, 2, 16), float("-inf"))
-    for a, b in blocks:
-        o, l = kernel.forward(q, k[:, :, a:b], v[:, :, a:b], causal=False, scale=scale)
-        merge_lse_(acc_out, acc_lse, o, l)
+    for call, (a, b) in zip(calls, blocks):
+        o, l = kernel.forward(q, k[a:b], v[a:b], call, scale=scale)
+        merge_lse_(acc_out, acc_lse, o.permute(1, 2, 0, 3), l)
     tol = TOLERANCE[torch.float32]
-    assert relative_error(acc_out, ref_out) <= tol and relative_error(acc_lse, ref_lse) <= tol
+    out = acc_out.permute(2, 0, 1, 3)
+    assert relative_error(out, ref_out) <= tol and relative_error(acc_lse, ref_lse) <= tol
     dq = torch.zeros_like(q)
     dk, dv = [], []
-    for a, b in blocks:
-        gq, gk, gv = kernel.backward(dout, q, k[:, :, a:b], v[:, :, a:b], acc_out, acc_lse, causal=False, scale=scale)
+    for call, (a, b) in zip(calls, blocks):
+        gq, gk, gv = kernel.backward(dout, q, k[a:b], v[a:b], out, acc_lse, call, scale=scale)
         dq += gq
         dk.append(gk)
         dv.append(gv)
-    for got, want in ((dq, ref_dq), (torch.cat(dk, dim=2), ref_dk), (torch.cat(dv, dim=2), ref_dv)):
+    for got, want in ((dq, ref_dq), (torch.cat(dk), ref_dk), (torch.cat(dv), ref_dv)):
         assert relative_error(got, want) <= tol
 
 
-def test_merge_gives_rows_without_keys_zero_weight_not_nan():
-    acc_out = torch.zeros(1, 1, 3, 2)
-    acc_lse = torch.full((1, 1, 3), float("-inf"))
+def test_merge_of_a_first_part_and_the_team_merge_of_rows_nobody_saw():
+    # Rows that have seen nothing yet (acc_lse -inf) take the new part whole; a call's rows
+    # always see a key (Note [kernel calls]), so its lse is finite.
+    acc_out = torch.full((1, 1, 3, 2), 0.0)
+    acc_lse = torch.tensor([[[float("-inf"), 0.0, float("-inf")]]])
+    acc_out[0, 0, 1] = torch.tensor([9.0, 9.0])
     out = torch.tensor([[[[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]]])
-    lse = torch.tensor([[[0.5, float("-inf"), 1.0]]])  # row 1 saw no key in this block
+    lse = torch.tensor([[[0.5, 0.0, 1.0]]])
     merge_lse_(acc_out, acc_lse, out, lse)
     assert not acc_out.isnan().any()
-    assert acc_lse[0, 0, 1].item() == float("-inf") and acc_out[0, 0, 1].abs().sum() == 0
+    assert acc_out[0, 0, 0].tolist() == [1.0, 2.0] and acc_out[0, 0, 2].tolist() == [5.0, 6.0]
+    assert acc_out[0, 0, 1].tolist() == [6.0, 6.5]  # equal weights: the mean
+    assert torch.allclose(acc_lse, torch.tensor([[[0.5, torch.log(torch.tensor(2.0)).item(), 1.0]]]))
     # Team merge: member 0 saw nothing for row 0, member 1 everything; a row nobody saw -> 0.
     outs = torch.stack([torch.full((1, 1, 2, 2), 7.0), torch.full((1, 1, 2, 2), 3.0)])
     lses = torch.tensor([[[[float("-inf"), float("-inf")]]], [[[0.0, float("-inf")]]]])
@@ -125,23 +186,46 @@ def _positions(segments):
 
 @pytest.mark.parametrize("seed", range(30))
 def test_plan_covers_exactly_the_visible_pairs(seed):
-    # Random runs of tokens of random chunks, on both sides, against a brute-force mask.
+    # Random runs of tokens of random chunks (two documents), on both sides, against a
+    # brute-force mask, with and without windows and a cap on the rows of a call.
     rng = torch.Generator().manual_seed(seed)
     chunk_len = 6
 
-    def random_segments():  # runs of one dense sequence (document 0)
+    def random_segments():
         segs = []
         for chunk in torch.randperm(5, generator=rng)[: 1 + seed % 4].tolist():
             a, b = sorted(torch.randint(0, chunk_len + 1, (2,), generator=rng).tolist())
-            if b > a:
-                segs.append((0, chunk * chunk_len + a, chunk * chunk_len + b))
+            doc = int(chunk * chunk_len + a >= 13)  # document 1 from position 13
+            cut = min(max(13, chunk * chunk_len + a), chunk * chunk_len + b)
+            for d, lo, hi in ((0, chunk * chunk_len + a, min(cut, chunk * chunk_len + b)),
+                              (1, max(cut, chunk * chunk_len + a), chunk * chunk_len + b)):
+                if hi > lo and (d == 0) == (hi <= 13):
+                    segs.append((d, lo, hi))
+            del doc
         return tuple(segs) or ((0, 0, chunk_len),)
 
     q_segments, k_segments = random_segments(), random_segments()
+    qp, kp = _positions(q_segments), _positions(k_segments)
+    qd = torch.tensor([d for d, a, b in q_segments for _ in range(a, b)])
+    kd = torch.tensor([d for d, a, b in k_segments for _ in range(a, b)])
+    delta = kp[None, :] - qp[:, None]
     for causal in (True, False):
-        qp, kp = _positions(q_segments), _positions(k_segments)
-        visible = (kp[None, :] <= qp[:, None]) if causal else torch.ones(len(qp), len(kp), dtype=torch.bool)
-        assert torch.equal(plan_coverage(q_segments, k_segments, causal), visible.long())
+        for window in (None, (3, 0), (0, 2), (7, 4), (4, -1), (-1, 1)):
+            for max_rows in (None, 5):
+                visible = qd[:, None] == kd[None, :]
+                if causal:
+                    visible &= delta <= 0
+                if window is not None:
+                    if window[0] >= 0:
+                        visible &= delta >= -window[0]
+                    if window[1] >= 0:
+                        visible &= delta <= window[1]
+                got = plan_coverage(q_segments, k_segments, causal, window, max_rows)
+                assert torch.equal(got, visible.long()), (causal, window, max_rows)
+
+
+def _class_count(q, k, causal, window=None):
+    return len(plan_calls(whole_chunks(q, 4), whole_chunks(k, 4), causal, window))
 
 
 def test_causal_plan_matches_the_chunk_picture():
@@ -149,15 +233,31 @@ def test_causal_plan_matches_the_chunk_picture():
     assert zigzag_chunks(0, 2) == (0, 3) and zigzag_chunks(1, 2) == (1, 2)
 
     def plan(q, k):
-        return [(b.q_rows, b.k_rows, b.causal) for b in plan_blocks(whole_chunks(q, 4), whole_chunks(k, 4), True)]
+        return [(c.q_rows, c.k_rows, c.window) for c in plan_calls(whole_chunks(q, 4), whole_chunks(k, 4), True)]
 
-    # query chunk 0 sees nothing of (1, 2); query chunk 3 sees both, in one call.
-    assert plan((0, 3), (1, 2)) == [((4, 8), ((0, 8),), False)]
-    # query chunks 1 and 2 both see all of key chunk 0 (and none of 3): one call.
-    assert plan((1, 2), (0, 3)) == [((0, 8), ((0, 4),), False)]
-    assert plan((0, 3), (0, 3)) == [((0, 4), ((0, 4),), True), ((4, 8), ((0, 4),), False), ((4, 8), ((4, 8),), True)]
+    # query chunk 0 sees nothing of (1, 2); query chunk 3 sees both, in one call, no gather.
+    assert plan((0, 3), (1, 2)) == [(((4, 8),), (((0, 8),),), (-1, -1))]
+    # query chunks 1 and 2 both see all of key chunk 0 (and none of 3): one sequence.
+    assert plan((1, 2), (0, 3)) == [(((0, 8),), (((0, 4),),), (-1, -1))]
+    # Against itself: the full block (chunk 3 sees chunk 0) and the two diagonals, two calls.
+    assert plan((0, 3), (0, 3)) == [(((4, 8),), (((0, 4),),), (-1, -1)),
+                                    (((0, 4), (4, 8)), (((0, 4),), ((4, 8),)), (-1, 0))]
     # Ulysses U=2 over CP=4: StarTrail position 1 holds CP ranks 2 and 3's chunks.
     assert startrail_position_chunks(1, 2, 4) == (2, 5, 3, 4)
+
+
+def test_calls_do_not_grow_with_documents_or_window_tiles():
+    """Note [kernel calls]: the calls of a step are one per window class, whatever the
+    number of documents or the window's length."""
+    q = k = whole_chunks((0, 1, 2, 3), 64)
+    assert _class_count((0, 1, 2, 3), (0, 1, 2, 3), True, (5, 0)) == 1  # one run of keys: one band
+    for window in ((5, 0), (40, 0), (100, 0)):
+        calls = plan_calls(whole_chunks((0, 3), 64), whole_chunks((1, 2), 64), True, window)
+        assert len(calls) <= 2, (window, calls)
+    # 64 one-token documents against themselves: one call.
+    docs = tuple((i, i, i + 1) for i in range(64))
+    assert len(plan_calls(docs, docs, True)) == 1 and len(plan_calls(docs, docs, False)) == 1
+    assert len(plan_calls(q, k, True, None, 256)) == 1
 
 
 def test_split_segments_cuts_storage_in_contiguous_parts():

@@ -221,7 +221,7 @@ class CountingKernel:
 
 def counting_worker(rank, world_size, team_size):
     counter = CountingKernel(TorchCPUFlashKernel())
-    attention.kernel_for = lambda q, k, v, name="auto": counter  # this forked rank only
+    attention.kernel_for = lambda q, k, v, name="auto", deterministic=False: counter  # this forked rank only
     groups = new_startrail_groups(team_size=team_size)
     total = 2 * world_size * CHUNK
     one_per_chunk = torch.arange(0, total + 1, CHUNK, dtype=torch.int32)
@@ -237,17 +237,19 @@ def counting_worker(rank, world_size, team_size):
 
 
 @pytest.mark.parametrize("team_size", [1, 2])
-def test_kernel_calls_follow_the_documents(team_size):
+def test_kernel_calls_do_not_grow_with_documents(team_size):
+    """Note [kernel calls]: one variable-length call takes every document of a step, so a
+    sample of one document per token makes exactly the calls of one document per chunk (before:
+    one call per token): C per team, on the member that holds the team's own K, V -- a call
+    takes at most one rank's rows of queries (max_rows), and the team has C ranks' rows."""
     cp = 4
     results = run_ranks(counting_worker, cp, args=(team_size,))
     total = {key: {p: sum(r[key][p] for r in results) for p in ("forward", "backward")} for key in results[0]}
     for causal in (True, False):
-        # One document per chunk: each chunk meets only itself, once, in the whole group.
-        assert total["chunk", causal] == {"forward": 2 * cp, "backward": 2 * cp}
-        # One document per token: one 1 x 1 call per token.
-        assert total["token", causal] == {"forward": 2 * cp * CHUNK, "backward": 2 * cp * CHUNK}
-    # Dense causal: every chunk meets every earlier chunk (more calls than one per chunk).
-    assert total["dense", True]["forward"] > 2 * cp
+        assert total["token", causal] == total["chunk", causal], total
+        assert total["chunk", causal] == {"forward": cp, "backward": cp}, total
+    # Dense causal: every chunk meets every earlier chunk, at every step.
+    assert total["dense", True]["forward"] >= cp
 
 
 # -- bad input: ValueError on every rank, before the attention communicates ------------

@@ -13,8 +13,8 @@ import torch
 from megatron_startrail import new_startrail_groups, startrail_attn
 from megatron_startrail.accounting import AttentionShape, expected_comm, halo_bytes, halo_rows
 from megatron_startrail.halo import MAX_HALO_SHARE
-from megatron_startrail.layout import plan_blocks
-from tests.attention_cases import full_inputs, relative_error, window_mask
+from megatron_startrail.layout import plan_calls
+from tests.attention_cases import full_inputs, plan_coverage, relative_error, window_mask
 from tests.multiproc import run_ranks
 from tests.packed_cases import PAD, document_of_positions, held_positions, make_documents
 
@@ -175,19 +175,13 @@ def test_halo_bytes_equal_their_closed_form(world, team_size, ulysses, kv_heads,
 
 
 def test_blocks_outside_the_window_make_no_kernel_call():
-    """Two chunks of 64 far apart (positions 0.. and 1000..): with a 32-token window no block;
-    with the chunk adjacent, only the band's edge; the count of visible pairs is exact."""
+    """Two chunks of 64 far apart (positions 0.. and 1000..): with a 32-token window no call;
+    with the chunk adjacent, one call of one sequence (the band's edge); the count of visible
+    pairs is exact."""
     q = ((0, 1000, 1064),)
-    assert plan_blocks(q, ((0, 0, 64),), True, (32, 0)) == ()
-    blocks = plan_blocks(q, ((0, 936, 1000),), True, (32, 0))
-    assert all(b.q_rows[1] <= 32 for b in blocks)  # queries 1032.. see none of these keys: no rows for them
-    visible = 0
-    for b in blocks:
-        sq, sk = b.q_rows[1] - b.q_rows[0], sum(y - x for x, y in b.k_rows)
-        if b.band is None:
-            visible += sq * sk
-            continue
-        offset, lo, hi = b.band
-        delta = torch.arange(sk)[None, :] + offset - torch.arange(sq)[:, None]
-        visible += int(((delta >= lo) & (delta <= hi)).sum())
-    assert visible == sum(32 - i for i in range(32))  # query 1000 + i sees keys 1000 + i - 32 .. 999
+    assert plan_calls(q, ((0, 0, 64),), True, (32, 0)) == ()
+    calls = plan_calls(q, ((0, 936, 1000),), True, (32, 0))
+    assert len(calls) == 1 and len(calls[0].q_rows) == 1
+    assert calls[0].q_rows == ((0, 32),)  # queries 1032.. see none of these keys: no rows for them
+    coverage = plan_coverage(q, ((0, 936, 1000),), True, (32, 0))
+    assert int(coverage.sum()) == sum(32 - i for i in range(32))  # query 1000 + i sees keys 1000 + i - 32 .. 999

@@ -53,6 +53,7 @@ import torch.distributed as dist
 from megatron_startrail.comm import CommStats, Communicator
 from megatron_startrail.transport import transport_for
 from megatron_startrail.kernels import TorchCPUFlashKernel
+from megatron_startrail.layout import KernelCall
 
 
 def timed_max(fn, repeats: int, idle_s: float = 0.0) -> float:
@@ -172,13 +173,13 @@ def measure_cluster(per_node: int, nominal_mbit: float, q, k, v, dout, causal: b
         t_l = timed_max(lambda: [w.wait() for w in stream("intra", intra_messages)()], 5)
         out["intra_node_gbs"] = intra_messages * message / t_l / 1e9
 
-    # Block kernel on this rank's own rows, as the sub-ring steps run it: [b, h, s, d] views.
+    # Block kernel on this rank's own rows, as the sub-ring steps run it: one call, one sequence.
     kernel, scale = TorchCPUFlashKernel(), q.shape[-1] ** -0.5
-    qb, kb, vb, db = (t.permute(1, 2, 0, 3) for t in (q, k, v, dout))
+    call = KernelCall(((0, q.shape[0]),), (((0, k.shape[0]),),))
 
     def compute():
-        o, lse = kernel.forward(qb, kb, vb, causal=False, scale=scale)
-        kernel.backward(db, qb, kb, vb, o, lse, causal=False, scale=scale)
+        o, lse = kernel.forward(q, k, v, call, scale=scale)
+        kernel.backward(dout, q, k, v, o, lse, call, scale=scale)
 
     t_c = timed_max(compute, 5)
     s, b, h, d = q.shape

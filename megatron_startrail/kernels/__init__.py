@@ -52,8 +52,16 @@ def usable_backends(device: torch.device) -> frozenset[str]:
     return _usable_cuda_backends(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def make_kernel(name: str) -> BlockKernel:
-    """A kernel object by name (imports the optional GPU adapters only when asked for)."""
+def make_kernel(name: str, deterministic: bool = False) -> BlockKernel:
+    """A kernel object by name (imports the optional GPU adapters only when asked for);
+    ``deterministic`` reaches the kernels that have a deterministic backward switch."""
+    kernel = _make_kernel(name)
+    if deterministic:
+        kernel.deterministic = True
+    return kernel
+
+
+def _make_kernel(name: str) -> BlockKernel:
     if name == "reference":
         return ReferenceKernel()
     if name == "torch_cpu_flash":
@@ -89,9 +97,10 @@ def check_kernel(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
     return choose_kernel(KernelRequest.of(q, k, v, usable_backends(q.device)), name)
 
 
-def kernel_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, name: str = "auto") -> BlockKernel:
+def kernel_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, name: str = "auto",
+               deterministic: bool = False) -> BlockKernel:
     """The block kernel for these tensors (heads at dim -2, head dim last)."""
-    return make_kernel(_choose(KernelRequest.of(q, k, v, usable_backends(q.device)), name).name)
+    return make_kernel(_choose(KernelRequest.of(q, k, v, usable_backends(q.device)), name).name, deterministic)
 
 
 __all__ = [

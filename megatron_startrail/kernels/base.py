@@ -1,9 +1,19 @@
-"""The block kernel interface: attention of one query block against one key block.
+"""The block kernel interface: one variable-length attention call with flash-attn's semantics.
 
-Every kernel takes ``[b, heads, s, dim]`` tensors (strided views are fine), supports
-GQA (``k``/``v`` with fewer heads than ``q``, a divisor of them) and returns the
-log-sum-exp of each query row so that partial results can be merged exactly. The
-StarTrail schedule is the same for every kernel; only this object differs.
+A call (:class:`~megatron_startrail.layout.KernelCall`, Note [kernel calls]) packs several
+sequences, each a run of query rows against a run of key rows; query row ``r`` of a
+sequence with ``sq`` queries and ``sk`` keys sees key ``c`` iff
+``r + sk - sq - left <= c <= r + sk - sq + right`` (``call.window = (left, right)``, -1
+unbounded; ``(-1, 0)`` is causal with the diagonal aligned bottom-right), exactly
+``flash_attn_varlen_func``'s rule, so the calls a GPU makes are the calls the CPU tests
+exercise. Tensors are sequence first, the call's rows packed in sequence order::
+
+    q [Tq, b, h, d]   k [Tk, b, hkv, d]   v [Tk, b, hkv, dv]      (strided views are fine)
+    out [Tq, b, h, dv] (q's dtype)        lse [b, h, Tq] (float32; float64 for float64)
+
+GQA/MQA: ``hkv`` divides ``h``. ``dv`` may differ from ``d`` (MLA); kernels that need one
+head dim pad inside the call. A query row that sees no key gets out 0 and lse -inf (the
+planner never makes one, Note [kernel calls]).
 """
 
 from __future__ import annotations
@@ -12,20 +22,16 @@ from typing import Protocol
 
 import torch
 
+from ..layout import KernelCall
+
 
 class BlockKernel(Protocol):
     name: str
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: KernelCall, *, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q ``[b, h, sq, d]``, k ``[b, hkv, sk, d]``, v ``[b, hkv, sk, dv]`` -> out ``[b, h, sq, dv]``
-        (q's dtype), lse ``[b, h, sq]`` (float32, or float64 for float64 inputs; natural log).
-        ``dv`` may differ from ``d`` (MLA); kernels that need one head dim pad inside the call.
-
-        ``causal`` masks key ``j > i`` for query ``i`` (top-left aligned); callers only
-        use it on square diagonal blocks.
-        """
+        """out ``[Tq, b, h, dv]``, lse ``[b, h, Tq]`` of the call's sequences."""
 
     def backward(
         self,
@@ -35,11 +41,11 @@ class BlockKernel(Protocol):
         v: torch.Tensor,
         out: torch.Tensor,
         lse: torch.Tensor,
+        call: KernelCall,
         *,
-        causal: bool,
         scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Gradients of one block given the *final* (merged) ``out`` and ``lse`` of its
-        query rows: with those, each block's gradients are exact on their own, so no
-        other block is recomputed. Returns dq ``[b, h, sq, d]``, dk ``[b, hkv, sk, d]``, dv ``[b, hkv, sk, dv]``.
-        """
+        """Gradients of the call given the *final* (merged) ``out [Tq, b, h, dv]`` and
+        ``lse [b, h, Tq]`` of its query rows: with those, each call's gradients are exact on
+        their own, so no other call is recomputed. Returns dq ``[Tq, b, h, d]``,
+        dk ``[Tk, b, hkv, d]``, dv ``[Tk, b, hkv, dv]``."""

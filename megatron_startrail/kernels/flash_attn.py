@@ -1,81 +1,110 @@
 """Adapters for Dao-AILab flash-attn: 2.x (``flash_attn``) and 3.x (``flash_attn_interface``,
 the Hopper build). Optional: constructing one raises ImportError when it is not installed.
 
-Both want ``[b, s, h, d]`` (a transpose of our ``[b, h, s, d]`` views, last dim
-contiguous), take GQA natively, return lse ``[b, h, sq]`` float32, and need one head dim
-for q, k and v (a multiple of 8): MLA shapes are padded inside the call. Their private
-backward functions changed parameters across releases (window, softcap, varlen, sm_margin
-arguments), so they are called by parameter name, with the neutral value for each
-parameter this project does not use.
+A call (Note [kernel calls] in :mod:`megatron_startrail.layout`) is ONE
+``flash_attn_varlen_func``: the call's sequences with their ``cu_seqlens`` (made once per
+call and device) and its window, whose rule is the one the planner writes calls for. Both
+take ``[total, h, d]`` (the batch folded into the rows), GQA natively, return lse
+``[h, total]`` float32, and need one head dim for q, k and v (a multiple of 8): MLA
+shapes are padded inside the call. Their private backward functions changed parameters
+across releases (window, softcap, varlen, sm_margin arguments), so they are called by
+parameter name -- the names looked up once per function -- with the neutral value for
+each parameter this project does not use.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
 
-from .padding import EqualHeadDimsKernel, trim_lse
+from .padding import EqualHeadDimsKernel
+from .varlen import fold_batch, fold_lse, unfold_batch, unfold_lse
 
 # Neutral values for the parameters of flash-attn's forward/backward that we do not use.
 _NEUTRAL = {
-    "dropout_p": 0.0, "window_size": (-1, -1), "window_size_left": -1, "window_size_right": -1,
-    "softcap": 0.0, "alibi_slopes": None, "deterministic": False, "rng_state": None, "sm_margin": 0,
-    "cu_seqlens_q": None, "cu_seqlens_k": None, "seqused_q": None, "seqused_k": None,
-    "sequed_q": None, "sequed_k": None, "max_seqlen_q": None, "max_seqlen_k": None,
+    "dropout_p": 0.0, "softcap": 0.0, "alibi_slopes": None, "deterministic": False, "rng_state": None,
+    "sm_margin": 0, "seqused_q": None, "seqused_k": None, "sequed_q": None, "sequed_k": None,
+    "zero_tensors": False, "block_table": None,
 }
+
+
+@functools.lru_cache(maxsize=None)
+def _parameters(fn) -> tuple[tuple[str, bool], ...]:
+    """``(name, required)`` of ``fn``'s parameters (once per function: no signature lookup per call).
+    flash-attn >= 2.7 registers its backward with torch.library.custom_op, whose object only
+    shows (*args, **kwargs); the function it wraps has the real parameters."""
+    params = inspect.signature(getattr(fn, "_init_fn", fn)).parameters.values()
+    return tuple((p.name, p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+                 for p in params)
 
 
 def call_by_name(fn, **values):
     """Call ``fn`` passing each of its parameters by name from ``values`` or ``_NEUTRAL``;
     a parameter with a default that neither names is left to its default."""
     kwargs = {}
-    # flash-attn >= 2.7 registers its backward with torch.library.custom_op, whose object
-    # only shows (*args, **kwargs); the function it wraps has the real parameters.
-    for name, param in inspect.signature(getattr(fn, "_init_fn", fn)).parameters.items():
+    for name, required in _parameters(fn):
         if name in values:
             kwargs[name] = values[name]
         elif name in _NEUTRAL:
             kwargs[name] = _NEUTRAL[name]
-        elif param.default is inspect.Parameter.empty and param.kind not in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
-            raise TypeError(f"{fn.__module__}.{fn.__name__} has a parameter {name!r} this adapter does not know")
+        elif required:
+            raise TypeError(f"{getattr(fn, '__name__', fn)} has a parameter {name!r} this adapter does not know")
     return fn(**kwargs)
 
 
-def _bshd(x: torch.Tensor) -> torch.Tensor:
-    # [b, h, s, d] <-> [b, s, h, d] (a view)
-    return x.transpose(1, 2)
+class _FlashAttnVarlen:
+    """One ``flash_attn_varlen_func`` per call; ``_backward_fn`` names the matching backward."""
 
+    _interface = None  # the flash-attn module
+    _backward_fn = ""
+    deterministic = False  # --deterministic-mode: flash-attn's deterministic backward
 
-class _FlashAttnBase(EqualHeadDimsKernel):
-    head_dim_multiple = 8
-    _interface = None  # the flash-attn module with flash_attn_func / _flash_attn_backward
+    def _deterministic(self) -> bool:
+        return self.deterministic or torch.are_deterministic_algorithms_enabled()
 
-    def _forward(self, q, k, v, *, causal, scale):
-        fn = self._interface.flash_attn_func
-        extra = {"return_attn_probs": True} if "return_attn_probs" in inspect.signature(fn).parameters else {}
-        res = fn(_bshd(q), _bshd(k), _bshd(v), softmax_scale=scale, causal=causal, **extra)
-        if isinstance(res, torch.Tensor):  # a release that returns out only: no lse to merge with
-            raise RuntimeError(f"{self._interface.__name__}.flash_attn_func returned no log-sum-exp")
-        out, lse = res[0], res[1]  # 2.x: (out, lse, S_dmask); 3.x: (out, lse)
-        return _bshd(out), trim_lse(lse, q.shape[2])
-
-    def _backward(self, dout, q, k, v, out, lse, *, causal, scale):
-        t = lambda x: _bshd(x).contiguous()  # noqa: E731 - [b, s, h, d], contiguous
-        qt, kt, vt = t(q), t(k), t(v)
-        dq, dk, dv = torch.empty_like(qt), torch.empty_like(kt), torch.empty_like(vt)
-        call_by_name(
-            self._interface._flash_attn_backward, dout=t(dout), q=qt, k=kt, v=vt, out=t(out),
-            softmax_lse=lse.contiguous(), dq=dq, dk=dk, dv=dv, softmax_scale=scale, causal=causal,
-            is_causal=causal,
+    def _window_args(self, call, batch, device):
+        return dict(
+            cu_seqlens_q=call.tensor("cu_seqlens_q", device, batch), cu_seqlens_k=call.tensor("cu_seqlens_k", device, batch),
+            max_seqlen_q=call.max_seqlen_q, max_seqlen_k=call.max_seqlen_k, causal=call.causal, is_causal=call.causal,
+            window_size=(-1, -1) if call.causal else call.window,
+            window_size_left=-1 if call.causal else call.window[0],
+            window_size_right=-1 if call.causal else call.window[1],
         )
-        return _bshd(dq), _bshd(dk), _bshd(dv)
+
+    def forward(self, q, k, v, call, *, scale):
+        b = q.shape[1]
+        args = self._window_args(call, b, q.device)
+        res = call_by_name(self._interface.flash_attn_varlen_func, q=fold_batch(q), k=fold_batch(k),
+                           v=fold_batch(v), softmax_scale=scale, return_attn_probs=True,
+                           deterministic=self._deterministic(), **args)
+        if isinstance(res, torch.Tensor):  # a release that returns out only: no lse to merge with
+            raise RuntimeError(f"{self._interface.__name__}.flash_attn_varlen_func returned no log-sum-exp")
+        out, lse = res[0], res[1]  # 2.x: (out, lse, S_dmask); 3.x: (out, lse)
+        if lse.dim() != 2:
+            raise RuntimeError(f"{self._interface.__name__}: variable-length lse of shape {tuple(lse.shape)}; "
+                               "flash-attn >= 2.4 returns [heads, total_q]")
+        return unfold_batch(out, b), unfold_lse(lse, b)
+
+    def backward(self, dout, q, k, v, out, lse, call, *, scale):
+        b = q.shape[1]
+        qf, kf, vf = (fold_batch(x).contiguous() for x in (q, k, v))
+        dq, dk, dv = torch.empty_like(qf), torch.empty_like(kf), torch.empty_like(vf)
+        call_by_name(
+            getattr(self._interface, self._backward_fn), dout=fold_batch(dout).contiguous(), q=qf, k=kf, v=vf,
+            out=fold_batch(out).contiguous(), softmax_lse=fold_lse(lse), dq=dq, dk=dk, dv=dv, softmax_scale=scale,
+            deterministic=self._deterministic(), **self._window_args(call, b, q.device),
+        )
+        return unfold_batch(dq, b), unfold_batch(dk, b), unfold_batch(dv, b)
 
 
-class FlashAttnKernel(_FlashAttnBase):
+class FlashAttnKernel(EqualHeadDimsKernel, _FlashAttnVarlen):
     """flash-attn 2.x (``flash_attn.flash_attn_interface``)."""
 
     name = "flash_attn"
+    head_dim_multiple = 8
+    _backward_fn = "_flash_attn_varlen_backward"
 
     def __init__(self) -> None:
         from flash_attn import flash_attn_interface  # noqa: PLC0415 - optional
@@ -83,10 +112,12 @@ class FlashAttnKernel(_FlashAttnBase):
         self._interface = flash_attn_interface
 
 
-class FlashAttn3Kernel(_FlashAttnBase):
+class FlashAttn3Kernel(EqualHeadDimsKernel, _FlashAttnVarlen):
     """flash-attn 3.x (the top-level ``flash_attn_interface`` module of the hopper/ build)."""
 
     name = "flash_attn_3"
+    head_dim_multiple = 8
+    _backward_fn = "_flash_attn_backward"  # 3.x: one backward, variable length through cu_seqlens
 
     def __init__(self) -> None:
         import flash_attn_interface  # noqa: PLC0415 - optional

@@ -60,32 +60,25 @@ def pad_lse_rows(lse: torch.Tensor, multiple: int = LSE_ROW_ALIGN) -> torch.Tens
 
 
 class EqualHeadDimsKernel:
-    """Base of the kernels that need one head dim for q, k and v (a multiple of
-    ``head_dim_multiple``): :meth:`forward` / :meth:`backward` pad to it, call the
-    subclass's ``_forward`` / ``_backward`` and cut the results back (see the module note)."""
+    """Mixin for the kernels that need one head dim for q, k and v (a multiple of
+    ``head_dim_multiple``): :meth:`forward` / :meth:`backward` pad to it, call the next
+    class's ``forward`` / ``backward`` in the MRO (the kernel proper) and cut the results
+    back (see the module note). Padding is per call: one pad per tensor, not per sequence."""
 
-    name = "equal_head_dims"
     head_dim_multiple = 1
 
-    def _forward(self, q, k, v, *, causal, scale):  # pragma: no cover - overridden
-        raise NotImplementedError
-
-    def _backward(self, dout, q, k, v, out, lse, *, causal, scale):  # pragma: no cover - overridden
-        raise NotImplementedError
-
-    def forward(self, q, k, v, *, causal, scale):
-        # q/k [b, h|hkv, s, d_qk], v [b, hkv, sk, d_v] -> out [b, h, sq, d_v], lse [b, h, sq]
+    def forward(self, q, k, v, call, *, scale):
+        # q/k [Tq|Tk, b, h|hkv, d_qk], v [Tk, b, hkv, d_v] -> out [Tq, b, h, d_v], lse [b, h, Tq]
         d_v = v.shape[-1]
         d = common_head_dim(q.shape[-1], d_v, self.head_dim_multiple)
-        out, lse = self._forward(pad_head_dim(q, d), pad_head_dim(k, d), pad_head_dim(v, d),
-                                 causal=causal, scale=scale)
+        out, lse = super().forward(pad_head_dim(q, d), pad_head_dim(k, d), pad_head_dim(v, d), call, scale=scale)
         return cut_head_dim(out, d_v), lse
 
-    def backward(self, dout, q, k, v, out, lse, *, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, call, *, scale):
         d_qk, d_v = q.shape[-1], v.shape[-1]
         d = common_head_dim(d_qk, d_v, self.head_dim_multiple)
-        dq, dk, dv = self._backward(
+        dq, dk, dv = super().backward(
             pad_head_dim(dout, d), pad_head_dim(q, d), pad_head_dim(k, d), pad_head_dim(v, d),
-            pad_head_dim(out, d), lse, causal=causal, scale=scale,
+            pad_head_dim(out, d), lse, call, scale=scale,
         )
         return cut_head_dim(dq, d_qk), cut_head_dim(dk, d_qk), cut_head_dim(dv, d_v)

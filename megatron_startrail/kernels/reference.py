@@ -1,12 +1,14 @@
 """Pure-PyTorch block kernel: readable math, any device and dtype (float64 included).
 
-Slow (materializes the ``[sq, sk]`` score matrix) but obviously right; used as the
-reference in tests and as the fallback when no fused kernel is available.
+Slow (materializes the ``[sq, sk]`` score matrix of each sequence) but obviously right;
+used as the reference in tests and as the fallback when no fused kernel is available.
 """
 
 from __future__ import annotations
 
 import torch
+
+from .varlen import PerSequenceKernel
 
 
 def expand_kv_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -38,12 +40,11 @@ def _masked(scores: torch.Tensor, causal: bool, mask: torch.Tensor | None) -> to
     return scores
 
 
-class ReferenceKernel:
+class ReferenceKernel(PerSequenceKernel):
     name = "reference"
 
-    # ``mask`` (optional, bool [sq, sk], True = visible) restricts the keys further: the band
-    # edges of a sliding window (Note [window blocks] in megatron_startrail.layout).
-    def forward(self, q, k, v, *, causal, scale, mask=None):
+    # One sequence on [b, h, s, d]; ``mask`` (bool [sq, sk], True = visible) from the call's window.
+    def _attend(self, q, k, v, *, causal, mask, scale):
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         qa, ka, va = q.to(acc), expand_kv_heads(k, q.shape[1]).to(acc), expand_kv_heads(v, q.shape[1]).to(acc)
         # 1. scores S = scale * Q K^T                                  [b, h, sq, sk]
@@ -55,7 +56,7 @@ class ReferenceKernel:
         out = torch.matmul(probs, va)
         return out.to(q.dtype), lse
 
-    def backward(self, dout, q, k, v, out, lse, *, causal, scale, mask=None):
+    def _attend_backward(self, dout, q, k, v, out, lse, *, causal, mask, scale):
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         heads, kv_heads = q.shape[1], k.shape[1]
         qa, ka, va = q.to(acc), expand_kv_heads(k, heads).to(acc), expand_kv_heads(v, heads).to(acc)

@@ -88,6 +88,7 @@ def config_from_args(args) -> StarTrailConfig:
         backward_rotation=args.startrail_backward_rotation, transfer=args.startrail_transfer,
         regather_in_backward=bool(args.startrail_regather_in_backward), kernel=args.startrail_kernel,
         serial_reverse_send=bool(args.startrail_serial_reverse_send),
+        deterministic=bool(getattr(args, "deterministic_mode", False)),
     )
 
 
