@@ -1,0 +1,375 @@
+"""Kernel launches per layer on one rank: the ATen ops one StarTrail rank dispatches for one
+layer's forward + backward, counted on CPU (GPU hot-path issue).
+
+On a GPU every ATen op that computes is a kernel launch of 5-10 us; at long context the
+attention math per block is short, so the ops *around* the block kernel decide whether a
+layer spends its time computing or launching. This counts them without a GPU and without
+the math: one process stands in for rank ``r`` of ``P`` (torch's no-op ``fake`` process
+group: every collective and P2P returns at once), the tensors are on the ``meta`` device
+(shapes only), and a ``TorchDispatchMode`` sees every ATen op. The block kernel is counted
+as ONE op per call (on a GPU it is one fused launch): its own ops run with the mode off.
+
+Columns: ``launch`` ops that launch work on a GPU (every op but views and bare
+allocations), ``kernel`` block-kernel calls, ``comm`` collectives and P2P posts, ``all``
+every dispatched op. The yardstick is a minimal zigzag ring, written the way
+ring-flash-attention structures it (one fused call per half block, one merge per step),
+counted the same way (in this file only; nothing of it is used by the package).
+
+    .venv/bin/python benchmarks/launch_budget.py                  # 131072 tokens, the table
+    .venv/bin/python benchmarks/launch_budget.py --json out.json  # and the rows as JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from megatron_startrail import kernels as kernel_module
+from megatron_startrail import nccl_rules
+from megatron_startrail import new_startrail_groups, startrail_attn
+from megatron_startrail.documents import agree_on_documents
+from megatron_startrail.comm import CommStats
+
+# Ops that allocate or re-describe memory without launching anything on a GPU.
+_NO_LAUNCH = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "detach", "lift_fresh",
+              "_local_scalar_dense", "set_", "resize_", "record_stream", "wait_tensor"}
+
+
+@dataclasses.dataclass
+class Counts:
+    launch: int = 0
+    kernel: int = 0
+    comm: int = 0
+    all: int = 0
+    by_op: Counter = dataclasses.field(default_factory=Counter)
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self, counts: Counts) -> None:
+        super().__init__()
+        self.counts = counts
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        namespace = func.namespace
+        self.counts.all += 1
+        if namespace == "c10d":
+            self.counts.comm += 1
+            self.counts.launch += 1
+        elif not func.is_view and name not in _NO_LAUNCH:
+            self.counts.launch += 1
+            self.counts.by_op[f"{namespace}.{name}"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def kernel_calls_count_once(counts: Counts, kernel_classes):
+    """Inside: every ``forward`` / ``backward`` of these kernel classes counts as one launch."""
+    saved = []
+    for cls in kernel_classes:
+        for method in ("forward", "backward"):
+            original = getattr(cls, method)
+            saved.append((cls, method, original))
+
+            def wrapped(self, *args, _original=original, **kwargs):
+                counts.kernel += 1
+                counts.launch += 1
+                counts.all += 1
+                with _disable_current_modes():
+                    return _original(self, *args, **kwargs)
+
+            setattr(cls, method, wrapped)
+    try:
+        yield
+    finally:
+        for cls, method, original in saved:
+            setattr(cls, method, original)
+
+
+@contextlib.contextmanager
+def fake_rank(rank: int, world: int):
+    """This process as rank ``rank`` of ``world`` on torch's no-op process group."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: PLC0415 - test utility
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    # No NCCL-rules records (the test suite's mode): a no-op group's run checks nothing, and
+    # records left in this process would reach the ranks a test forks from it later.
+    rules, os.environ[nccl_rules.ENV] = os.environ.get(nccl_rules.ENV), "0"
+    dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        if rules is None:
+            del os.environ[nccl_rules.ENV]
+        else:
+            os.environ[nccl_rules.ENV] = rules
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    world: int  # P
+    team: int  # C (0: the yardstick ring)
+    tokens: int = 131072
+    heads: int = 8
+    kv_heads: int = 8
+    head_dim: int = 128
+    v_head_dim: int = 128
+    causal: bool = True
+    window: tuple[int, int] | None = None
+    docs: str | None = None  # None, "sample" or "document": 64 log-normal documents per sample
+    rotation: str = "auto"
+    regather: bool = False
+    halo: bool = True  # False: a window that fits a chunk runs the schedule anyway
+    rank: int = 1
+
+
+def lognormal_documents(tokens: int, n_docs: int, cp: int, padded: bool, seed: int = 0):
+    """``cu_seqlens`` (and ``cu_seqlens_padded`` for the document layout) of ``n_docs``
+    log-normal lengths filling ``tokens``: int32 CPU tensors."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = torch.empty(n_docs, dtype=torch.float64).log_normal_(0.0, 1.0, generator=gen)
+    if padded:  # every padded span a multiple of 2 CP, the spans filling the sample
+        unit = 2 * cp
+        spans = [max(1, int(w / weights.sum() * tokens) // unit) * unit for w in weights.tolist()]
+        spans[-1] += tokens - sum(spans)
+        assert spans[-1] > 0
+        lengths = [max(1, s - int(s * 0.1)) for s in spans]  # 10% padding per span
+        cu_p = [0]
+        for s in spans:
+            cu_p.append(cu_p[-1] + s)
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        return torch.tensor(cu, dtype=torch.int32), torch.tensor(cu_p, dtype=torch.int32)
+    lengths = [max(1, int(w / weights.sum() * tokens)) for w in weights.tolist()]
+    lengths[-1] += tokens - sum(lengths)
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return torch.tensor(cu, dtype=torch.int32), None
+
+
+def _inputs(case: Case, s_local: int):
+    meta = torch.device("meta")
+    q = torch.empty(s_local, 1, case.heads, case.head_dim, device=meta, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.empty(s_local, 1, case.kv_heads, case.head_dim, device=meta, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.empty(s_local, 1, case.kv_heads, case.v_head_dim, device=meta, dtype=torch.bfloat16,
+                    requires_grad=True)
+    dout = torch.empty(s_local, 1, case.heads, case.v_head_dim, device=meta, dtype=torch.bfloat16)
+    return q, k, v, dout
+
+
+def count_startrail(case: Case) -> Counts:
+    """One rank's ops for one layer's forward + backward (meta tensors, fake process group)."""
+    counts = Counts()
+    with fake_rank(case.rank, case.world):
+        groups = new_startrail_groups(team_size=case.team, backward_rotation=case.rotation,
+                                      regather_in_backward=case.regather, kernel="reference")
+        q, k, v, dout = _inputs(case, case.tokens // case.world)
+        extra = {}
+        if case.docs is not None:
+            cu, cu_p = lognormal_documents(case.tokens, 64, case.world, case.docs == "document")
+            # The per-micro-batch agreement (one host sync) happens once per micro-batch, before
+            # the layers: made here on CPU so that the meta layer finds it cached.
+            agree_on_documents(cu, cu_p, q.shape[0], 1, groups, CommStats(), torch.device("cpu"))
+            extra = {"cu_seqlens": cu, "cu_seqlens_padded": cu_p}
+        with kernel_calls_count_once(counts, _kernel_classes()), _OpCounter(counts):
+            out = startrail_attn(q, k, v, groups, causal=case.causal, window_size=case.window,
+                                 halo_exchange=case.halo, **extra)
+            torch.autograd.grad(out, (q, k, v), dout)
+    return counts
+
+
+def _kernel_classes():
+    return [kernel_module.ReferenceKernel]
+
+
+# -- the yardstick: a minimal zigzag ring, ring-flash-attention's structure ---------------------
+
+
+class _YardstickKernel:
+    """One fused call: reference math on [b, h, s, d], counted once (like the block kernels)."""
+
+    def forward(self, q, k, v, causal, scale):
+        scores = (q.float() @ k.float().transpose(-1, -2)) * scale
+        if causal:
+            scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1),
+                                        -math.inf)
+        lse = scores.logsumexp(-1)
+        return (scores - lse[..., None]).exp() @ v.float(), lse
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _update(out, lse, block_out, block_lse):
+    # ring-flash-attention's update_out_and_lse: out - sigmoid(b_lse - lse) (out - b_out), lse - logsigmoid(lse - b_lse)
+    block_lse = block_lse.unsqueeze(-1)
+    new_out = out - torch.sigmoid(block_lse - lse) * (out - block_out)
+    new_lse = lse - torch.nn.functional.logsigmoid(lse - block_lse)
+    return new_out, new_lse
+
+
+def count_yardstick(case: Case) -> Counts:
+    """Zigzag ring attention on rank ``case.rank`` of ``case.world``: forward (one causal call,
+    then per step one half-block call and one merge) and backward (per step one half-block
+    backward, dQ added, dK dV accumulated and passed on), K and V passed by batched P2P."""
+    counts = Counts()
+    kernel = _YardstickKernel()
+    with fake_rank(case.rank, case.world):
+        world, rank = case.world, case.rank
+        q, k, v, dout = (t.detach().permute(1, 2, 0, 3) for t in _inputs(case, case.tokens // world))
+        half = q.shape[2] // 2
+        scale = case.head_dim ** -0.5
+        nxt, prv = (rank + 1) % world, (rank - 1) % world
+
+        def p2p(send, recv):
+            ops = [dist.P2POp(dist.isend, t, nxt) for t in send] + [dist.P2POp(dist.irecv, t, prv) for t in recv]
+            return dist.batch_isend_irecv(ops)
+
+        with kernel_calls_count_once(counts, [_YardstickKernel]), _OpCounter(counts):
+            out = lse = None
+            kk, vv = k, v
+            for step in range(world):
+                if step + 1 < world:
+                    nk, nv = torch.empty_like(kk), torch.empty_like(vv)
+                    reqs = p2p([kk, vv], [nk, nv])
+                if step == 0:
+                    out, lse = kernel.forward(q, kk, vv, True, scale)
+                    out, lse = out.float(), lse.unsqueeze(-1)
+                elif step <= rank:
+                    o, l = kernel.forward(q, kk[:, :, :half], vv[:, :, :half], False, scale)
+                    out, lse = _update(out, lse, o, l)
+                else:
+                    o, l = kernel.forward(q[:, :, half:], kk, vv, False, scale)
+                    out[:, :, half:], lse[:, :, half:] = _update(out[:, :, half:], lse[:, :, half:], o, l)
+                if step + 1 < world:
+                    for r in reqs:
+                        r.wait()
+                    kk, vv = nk, nv
+            out, lse = out.to(q.dtype), lse.squeeze(-1).transpose(1, 2).contiguous()
+            # backward
+            dq = torch.zeros_like(q, dtype=torch.float32)
+            dk_acc = dv_acc = None
+            kk, vv = k, v
+            for step in range(world):
+                if step + 1 < world:
+                    nk, nv = torch.empty_like(kk), torch.empty_like(vv)
+                    reqs = p2p([kk, vv], [nk, nv])
+                if step == 0:
+                    gq, gk, gv = kernel.backward(dout, q, kk, vv, out, lse, True, scale)
+                    dk_acc, dv_acc = gk.float(), gv.float()
+                    dq += gq
+                else:
+                    if step <= rank:
+                        gq, gk, gv = kernel.backward(dout, q, kk[:, :, :half], vv[:, :, :half], out, lse, False, scale)
+                        dq += gq
+                        dk_acc[:, :, :half] += gk
+                        dv_acc[:, :, :half] += gv
+                    else:
+                        gq, gk, gv = kernel.backward(dout[:, :, half:], q[:, :, half:], kk, vv, out[:, :, half:],
+                                                     lse[:, :, half:], False, scale)
+                        dq[:, :, half:] += gq
+                        dk_acc += gk
+                        dv_acc += gv
+                if step > 0:  # the accumulators travel with K, V
+                    ndk, ndv = torch.empty_like(dk_acc), torch.empty_like(dv_acc)
+                    for r in p2p([dk_acc, dv_acc], [ndk, ndv]):
+                        r.wait()
+                    dk_acc, dv_acc = ndk, ndv
+                if step + 1 < world:
+                    for r in reqs:
+                        r.wait()
+                    kk, vv = nk, nv
+            dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+    return counts
+
+
+def count(case: Case) -> Counts:
+    return count_yardstick(case) if case.team == 0 else count_startrail(case)
+
+
+def production_cases(tokens: int = 131072) -> list[Case]:
+    """The cases of the GPU hot-path issue: 8 heads x 128 per TP rank, bf16."""
+    cases = []
+    for world, team in ((8, 1), (8, 2), (16, 4)):
+        tag = f"P{world} C{team}"
+        cases += [
+            Case(f"{tag} dense causal", world, team, tokens),
+            Case(f"{tag} dense unmasked", world, team, tokens, causal=False),
+            Case(f"{tag} GQA 8:1", world, team, tokens, kv_heads=1),
+            Case(f"{tag} MLA 192/128", world, team, tokens, head_dim=192),
+            Case(f"{tag} window (4096, 0)", world, team, tokens, window=(4096, 0)),
+            Case(f"{tag} window (T/16, 0)", world, team, tokens, window=(tokens // 16, 0)),
+            Case(f"{tag} packed, sample layout", world, team, tokens, docs="sample"),
+            Case(f"{tag} packed, document layout", world, team, tokens, docs="document"),
+            Case(f"{tag} rotation q", world, team, tokens, rotation="q"),
+            Case(f"{tag} rotation kv", world, team, tokens, rotation="kv"),
+            Case(f"{tag} regathering", world, team, tokens, regather=True),
+        ]
+    cases += [Case("P8 yardstick zigzag ring", 8, 0, tokens), Case("P16 yardstick zigzag ring", 16, 0, tokens)]
+    return cases
+
+
+def _table(rows, before) -> list[str]:
+    """Markdown: one row a case; with ``before`` (rows of an earlier run), its launches too."""
+    prior = {r["case"]: r for r in before or []}
+    dense = {(r["world"], r["team"]): r["launch"] for r in rows if r["case"].endswith("dense causal")}
+    ring = {r["world"]: r["launch"] for r in rows if r["team"] == 0}
+    head = "| case | launch | kernel calls | comm | all ops | vs dense (same P, C) | vs yardstick (same P) |"
+    if before:
+        head += " launch before | kernel calls before |"
+    out = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        d = dense.get((r["world"], r["team"]))
+        cells = [r["case"], r["launch"], r["kernel"], r["comm"], r["all"],
+                 f"{r['launch'] / d:.2f}x" if d and r["team"] else "-",
+                 f"{r['launch'] / ring[r['world']]:.2f}x" if r["world"] in ring else "-"]
+        if before:
+            p = prior.get(r["case"], {})
+            cells += [p.get("launch", "-"), p.get("kernel", "-")]
+        out.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=131072)
+    parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--before", help="rows of an earlier run (its --json) to show beside these")
+    parser.add_argument("--only", help="run the cases whose name contains this")
+    args = parser.parse_args()
+    rows = []
+    for case in production_cases(args.tokens):
+        if args.only and args.only not in case.name:
+            continue
+        c = count(case)
+        rows.append({"case": case.name, **dataclasses.asdict(case), "launch": c.launch, "kernel": c.kernel,
+                     "comm": c.comm, "all": c.all, "top_ops": dict(c.by_op.most_common(8))})
+        print(f"{case.name}: launch {c.launch}, kernel {c.kernel}, comm {c.comm}, all {c.all}", flush=True)
+    before = None
+    if args.before:
+        with open(args.before, encoding="utf-8") as f:
+            before = json.load(f)
+    print(f"\nOne rank, one layer's forward + backward, {args.tokens} tokens, bf16, 8 heads x 128 "
+          "(meta tensors, torch's fake process group; the block kernel counts one op a call):\n")
+    print("\n".join(_table(rows, before)))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

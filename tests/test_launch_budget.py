@@ -1,0 +1,47 @@
+"""The launch budget of one layer on one rank (GPU hot-path issue), counted on CPU.
+
+benchmarks/launch_budget.py counts the ATen ops one rank dispatches for a layer's forward
++ backward (meta tensors, torch's no-op process group, the block kernel one op a call).
+Here at a smaller shape than its 128K table, with the same rules: dense causal within 1.5x
+a minimal zigzag ring at the same P; windowed and packed layers within 2x the dense layer
+at the same P, C and tokens -- and the counts that must not grow with documents or
+window length do not.
+"""
+
+import pytest
+
+from benchmarks.launch_budget import Case, count
+
+TOKENS = 16384
+
+
+@pytest.fixture(scope="module")
+def yardstick():
+    return {p: count(Case("ring", p, 0, TOKENS)).launch for p in (8, 16)}
+
+
+@pytest.mark.parametrize("world, team", [(8, 1), (8, 2), (16, 4)])
+def test_launch_budget(world, team, yardstick):
+    def launches(**kw):
+        return count(Case("case", world, team, TOKENS, **kw))
+
+    dense = launches()
+    assert dense.launch <= 1.5 * yardstick[world], (dense.launch, yardstick[world])
+    chunk = TOKENS // (2 * world)
+    for kw in ({"window": (chunk // 2, 0)}, {"window": (3 * chunk, 0)}, {"docs": "sample"}, {"docs": "document"},
+               {"causal": False}, {"kv_heads": 1}, {"head_dim": 192}, {"rotation": "q"}, {"rotation": "kv"},
+               {"regather": True}):
+        got = launches(**kw)
+        assert got.launch <= 2 * dense.launch, (kw, got.launch, dense.launch)
+        assert got.kernel <= 2 * dense.kernel, (kw, got.kernel, dense.kernel)
+
+
+def test_calls_do_not_grow_with_documents_or_window():
+    """64 documents per sample make no more kernel calls than 8 of them would: a step's
+    documents share a call; a window 8x as long makes no more calls either."""
+    dense = count(Case("dense", 8, 2, TOKENS))
+    packed = count(Case("packed", 8, 2, TOKENS, docs="document"))
+    assert packed.kernel <= dense.kernel
+    short = count(Case("w", 8, 2, TOKENS, window=(64, 0), halo=False))
+    long = count(Case("w", 8, 2, TOKENS, window=(512, 0), halo=False))
+    assert short.kernel == long.kernel <= dense.kernel
