@@ -8,7 +8,9 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["megatron_startrail", "megatron_startrail.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.4", "megatron-core>=0.16.1"],
+    # torch 2.6: the group-relative ranks of c10d's P2P and rooted collectives
+    # (P2POp(group_peer=), broadcast/reduce(group_src=/group_dst=)) that the transport uses.
+    install_requires=["torch>=2.6", "megatron-core>=0.16.1"],
     extras_require={
         # GPU-only fused kernels; none of them is required, and none builds without CUDA.
         "gpu": ["transformer-engine", "flash-attn", "apex"],

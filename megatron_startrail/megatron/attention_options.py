@@ -62,6 +62,44 @@ UNSUPPORTED = (
         "it needs the maximum attention logit from the core attention, which StarTrail does not report",
         "drop --log-max-attention-logit",
     ),
+    # GPU-only options: accepted and then ignored or broken would be worse than refused.
+    AttentionOption(
+        "cuda_graph_impl", "--cuda-graph-impl",
+        lambda v: v not in (None, "none"),
+        "capturing StarTrail's layers is not supported: the packed-document metadata syncs the host "
+        "once per micro-batch and the timeline records events, and capture has never run on a GPU here",
+        "use --cuda-graph-impl none",
+    ),
+    AttentionOption(
+        "enable_cuda_graph", "--enable-cuda-graph",
+        bool,
+        "capturing StarTrail's layers is not supported (see --cuda-graph-impl)",
+        "drop --enable-cuda-graph",
+    ),
+    AttentionOption(
+        "external_cuda_graph", "--external-cuda-graph",
+        bool,
+        "capturing StarTrail's layers is not supported (see --cuda-graph-impl)",
+        "drop --external-cuda-graph",
+    ),
+    AttentionOption(
+        "fp8_dot_product_attention", "TransformerConfig.fp8_dot_product_attention",
+        bool,
+        "StarTrail's block kernels compute attention in bf16/fp16/fp32, not FP8",
+        "set fp8_dot_product_attention=False",
+    ),
+    AttentionOption(
+        "fp8_multi_head_attention", "TransformerConfig.fp8_multi_head_attention",
+        bool,
+        "StarTrail's block kernels take bf16/fp16/fp32 Q, K, V, not FP8",
+        "set fp8_multi_head_attention=False",
+    ),
+    AttentionOption(
+        "hybrid_context_parallel", "--hybrid-context-parallel",
+        bool,
+        "StarTrail runs on the fixed context-parallel group; per-sub-sample CP groups are not built yet",
+        "drop --hybrid-context-parallel (and --max-seqlen-per-dp-cp-rank)",
+    ),
     AttentionOption(
         "experimental_attention_variant", "--experimental-attention-variant",
         lambda v: v is not None,
@@ -88,10 +126,11 @@ def check_attention_options(source, algo: str = "startrail") -> None:
     found = unsupported_attention_options(source)
     if not found:
         return
-    lines = [f"  {option.flag} {_shown(value)}: {option.why}; {option.fix}" for option, value in found]
+    lines = [f"  {option.flag}{'' if value is True else ' ' + _shown(value)}: {option.why}; {option.fix}"
+             for option, value in found]
     raise ValueError(
-        f"--context-parallel-algo {algo} does not implement these attention options, and would "
-        "otherwise compute a different attention than the model asks for:\n" + "\n".join(lines)
+        f"--context-parallel-algo {algo} does not implement these options (refused rather than "
+        "ignored: the run would otherwise compute or do something else than asked for):\n" + "\n".join(lines)
     )
 
 

@@ -207,6 +207,12 @@ UNSUPPORTED_ATTENTION_FLAGS = [
     (["--qk-clip"], "--qk-clip"),
     (["--log-max-attention-logit"], "--log-max-attention-logit"),
     (["--experimental-attention-variant", "dsa"], "--experimental-attention-variant dsa"),
+    # GPU options that would be accepted and then ignored or broken (GPU hot-path issue)
+    (["--cuda-graph-impl", "local"], "--cuda-graph-impl local"),
+    (["--cuda-graph-impl", "transformer_engine"], "--cuda-graph-impl transformer_engine"),
+    (["--cuda-graph-impl", "full_iteration"], "--cuda-graph-impl full_iteration"),
+    (["--enable-cuda-graph"], "--enable-cuda-graph"),
+    (["--hybrid-context-parallel"], "--hybrid-context-parallel"),
 ]
 
 

@@ -95,7 +95,11 @@ def run_example(world, argv, env=None, victim=None, victim_step=None, timeout=12
      "--ulysses-degree-in-cp 4 must divide the attention heads of a tensor-parallel rank: --num-attention-heads 6"),
     # Megatron's own validate_args catches this one first, with its own message.
     (["--seq-length", "252"], "AssertionError", "seq-length should be a multiple of 2 * context-parallel-size"),
-], ids=["team-size", "ulysses-cp", "ulysses-heads", "seq-length"])
+    # With what Megatron's own hybrid CP checks ask for: StarTrail's refusal, not Megatron's
+    # "data iterator is not wrapped with RerunDataIterator" at the first step.
+    (["--hybrid-context-parallel", "--calculate-per-token-loss", "--max-seqlen-per-dp-cp-rank", "64"], "ValueError",
+     "--hybrid-context-parallel: StarTrail runs on the fixed context-parallel group"),
+], ids=["team-size", "ulysses-cp", "ulysses-heads", "seq-length", "hybrid-cp"])
 def test_bad_flags_fail_on_every_rank_before_any_communication(flags, error, message):
     # CP 4 on 4 ranks. No MASTER_ADDR: a rank that got as far as init_process_group would fail
     # differently, and none has a process group when it raises.
