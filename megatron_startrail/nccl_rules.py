@@ -19,6 +19,12 @@ distributed test, over the default group):
 2. in every group where any rank ran a P2P, all its ranks' first operations are of one
    kind: all a collective (eager initialisation) or all the same first P2P batch.
 
+3. the whole program of every rank -- each post on the communicator NCCL would use
+   (:class:`~megatron_startrail.transport.NcclTransport`'s mapping of channels, whatever
+   the backend here), each collective, each wait -- replayed under NCCL's execution rules
+   (:mod:`megatron_startrail.nccl_replay`): no operation may wait forever, and every
+   communicator's collectives come in the same order on all its ranks.
+
 The audits of one process are kept in creation order (every rank creates its groups
 collectively, in the same order, so audit ``i`` is the same groups on every rank).
 This registry exists only in this mode, for the test harness.
@@ -32,9 +38,15 @@ from collections import defaultdict
 
 import torch.distributed as dist
 
+from .nccl_replay import replay
+
 ENV = "STARTRAIL_CHECK_NCCL_RULES"
+REPLAY_LOG = "STARTRAIL_NCCL_REPLAY_LOG"  # a file: one line per replayed run (for counting them)
 
 _AUDITS: list[RuleAudit] = []  # this process's audits, in creation order (this mode only)
+_PROGRAM: list[tuple] = []  # this process's posts and waits, in order (nccl_replay's events)
+_WORK_OPS: dict[int, tuple[object, int]] = {}  # id(work) -> (work, op id) of the works not yet waited
+_POSTS = [0]  # posts recorded since the last take_program (the next op id)
 
 
 def enabled() -> bool:
@@ -65,10 +77,34 @@ class RuleAudit:
 
 
 def take_audits() -> list[RuleAudit]:
-    """This process's audits so far, forgetting them."""
+    """This process's audits so far, forgetting them (and the program recorded with them)."""
     audits = list(_AUDITS)
     _AUDITS.clear()
     return audits
+
+
+def take_program() -> list[tuple]:
+    """This process's recorded program so far (posts and waits), forgetting it."""
+    program = list(_PROGRAM)
+    _PROGRAM.clear()
+    _WORK_OPS.clear()
+    _POSTS[0] = 0
+    return program
+
+
+def _record_post(comm: tuple, kind: str, detail, works) -> None:
+    op = _POSTS[0]
+    _POSTS[0] += 1
+    _PROGRAM.append(("post", op, comm, kind, detail))
+    for w in works if isinstance(works, list) else [works]:
+        if w is not None:
+            _WORK_OPS[id(w)] = (w, op)
+
+
+def _record_wait(works) -> None:
+    ops = [_WORK_OPS.pop(id(w))[1] for w in works if w is not None and id(w) in _WORK_OPS]
+    if ops:
+        _PROGRAM.append(("wait", ops))
 
 
 @functools.cache
@@ -81,16 +117,41 @@ def checked(transport_cls):
             self.audit = audit
 
         def post(self, sends, recvs, *, channel, label):
+            detail = []
             for tensors, send in ((sends, True), (recvs, False)):
                 for t, peer in tensors:
                     src, dst = (self.position, peer) if send else (peer, self.position)
                     role = self.role_of(self.p2p_group(src, dst, channel))
-                    self.audit.p2p(role, self.p2p_ranks[peer], label, t.numel() * t.element_size(), send=send)
-            return super().post(sends, recvs, channel=channel, label=label)
+                    nbytes = t.numel() * t.element_size()
+                    self.audit.p2p(role, self.p2p_ranks[peer], label, nbytes, send=send)
+                    detail.append((self.p2p_ranks[peer], "send" if send else "recv", label, nbytes))
+            works = super().post(sends, recvs, channel=channel, label=label)
+            _record_post(self._comm(self._nccl_group(channel)), "p2p", detail, works)
+            return works
 
         def collective(self, fn, *args, group, label, **kwargs):
             self.audit.collective(self.role_of(group))
-            return super().collective(fn, *args, group=group, label=label, **kwargs)
+            work = super().collective(fn, *args, group=group, label=label, **kwargs)
+            _record_post(self._comm(group), "coll", f"{label}:{getattr(fn, '__name__', fn)}", work)
+            return work
+
+        def wait(self, works, timeline=None, label=""):
+            _record_wait(works)
+            return super().wait(works, timeline, label)
+
+        def _nccl_group(self, channel):
+            """The group NCCL's transport puts a transfer of ``channel`` on (the twin for the side
+            channel), whatever this backend does (gloo picks by direction)."""
+            main, twin = self._main_and_twin()
+            return twin if twin is not None and channel == "side" else main
+
+        def _comm(self, group) -> tuple:
+            """The communicator, the same name on every rank: group set index and role."""
+            role = self.role_of(group)
+            if role in self.audit.group_ranks:
+                return (f"{role}#{self.audit.index}", self.audit.group_ranks[role])
+            ranks = tuple(dist.get_process_group_ranks(group))  # a caller's group (Megatron's CP group)
+            return (f"group{list(ranks)}", ranks)
 
     Checked.__name__ = f"Checked{transport_cls.__name__}"
     return Checked
@@ -127,11 +188,18 @@ def verify(exports: list[list[dict]]) -> list[str]:
 
 
 def verify_across_ranks() -> None:
-    """Gather every rank's audits over the default group and raise on any violation
-    (collective over the default group; the audits are forgotten)."""
-    mine = [a.export() for a in take_audits()]
-    exports: list = [None] * dist.get_world_size()
-    dist.all_gather_object(exports, mine)
-    problems = verify(exports)
+    """Gather every rank's audits and program over the default group and raise on any
+    violation of rules 1-3 (collective over the default group; the records are forgotten)."""
+    mine = ([a.export() for a in take_audits()], take_program())
+    gathered: list = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, gathered, dst=0)  # checked once, on rank 0, and the verdict shared
+    verdict = [None]
+    if dist.get_rank() == 0:
+        verdict[0] = verify([g[0] for g in gathered]) + replay({rank: g[1] for rank, g in enumerate(gathered)})
+        if os.environ.get(REPLAY_LOG):  # how many runs were replayed, and their size (the suite's count)
+            with open(os.environ[REPLAY_LOG], "a", encoding="utf-8") as f:
+                f.write(f"{len(gathered)} ranks, {sum(len(g[1]) for g in gathered)} events\n")
+    dist.broadcast_object_list(verdict, src=0)
+    problems = verdict[0]
     if problems:
         raise AssertionError("NCCL rules violated:\n  " + "\n  ".join(problems[:10]))

@@ -54,6 +54,7 @@ def _child(fn, rank, world_size, init_file, args, kwargs, conn):
         )
         # Groups made without a timeout (torch's default: 30 minutes) get the test's.
         c10d.default_pg_timeout = datetime.timedelta(seconds=PG_TIMEOUT_S)
+        nccl_rules.take_audits(), nccl_rules.take_program()  # none inherited from the parent: this run's only
         value = fn(rank, world_size, *args, **kwargs)
         if nccl_rules.enabled():  # every rank finished: check the run against NCCL's rules
             nccl_rules.verify_across_ranks()

@@ -29,9 +29,10 @@ def audited_attention_worker(rank, world_size, team_size, eager_init):
 
 def test_startrail_runs_are_audited_and_obey_the_rules():
     """P = 8, C = 2: every group's first operation is the eager collective, and the audit
-    saw the P2P messages (the harness then found every pair's order matched)."""
+    saw the P2P messages (the harness then found every pair's order matched). Without
+    Ulysses the StarTrail group and its twin are the CP group's (Note [communicators])."""
     for first_op, messages in run_ranks(audited_attention_worker, 8, args=(2, True)):
-        assert set(first_op) == {"startrail", "startrail_twin", "team", "cp", "cp_twin"}
+        assert set(first_op) == {"startrail", "startrail_twin", "team"}
         assert set(first_op.values()) == {"collective"}
         assert messages > 0
 
@@ -91,3 +92,106 @@ def test_verify_checks_each_rule_on_recorded_runs():
     assert any("which sent it nothing" in p for p in nccl_rules.verify(orphan))
     mixed = [[audit({"startrail": "collective"})], [audit({"startrail": "p2p"})]]
     assert any("first operation per rank" in p for p in nccl_rules.verify(mixed))
+
+
+# -- rule 3: the whole program replayed under NCCL's execution rules (nccl_replay) -----------
+
+
+def split_batch_worker(rank, world_size, planted):
+    """Two ranks exchange one message each way on the side channel (one communicator on
+    NCCL). Right: one post (one batched P2P). Planted: the receive and the send as two posts
+    -- gloo runs it (it puts the two directions on two groups and waits for neither before
+    posting the other); on NCCL each rank's receive heads the communicator's stream and
+    waits for the peer's send, which is queued behind the peer's own receive."""
+    transport = new_startrail_groups(team_size=1).transport
+    out, buf = torch.full((4,), float(rank)), torch.empty(4)
+    peer = 1 - rank
+    if planted:
+        works = transport.post([], [(buf, peer)], channel="side", label=f"to {rank}")
+        works += transport.post([(out, peer)], [], channel="side", label=f"to {peer}")
+    else:
+        works = transport.post([(out, peer)], [(buf, peer)], channel="side", label="exchange")
+    transport.wait(works)
+    dist.barrier()
+    try:
+        nccl_rules.verify_across_ranks()
+    except AssertionError as error:
+        return buf[0].item(), str(error)
+    return buf[0].item(), None
+
+
+def test_an_exchange_split_in_two_batches_is_caught():
+    """gloo runs both programs and delivers the data; the replay passes the one batched
+    exchange and names the cycle of the planted one."""
+    for rank, (got, error) in enumerate(run_ranks(split_batch_worker, 2, args=(False,))):
+        assert got == 1 - rank and error is None
+    for rank, (got, error) in enumerate(run_ranks(split_batch_worker, 2, args=(True,))):
+        assert got == 1 - rank, "gloo ran it"
+        assert "NCCL would hang: 4 operations never complete; a cycle:" in error
+        assert "rank 0 p2p on startrail_twin#0 [0, 1] (recv to 0 from rank 1)" in error
+
+
+def collective_order_worker(rank, world_size, planted):
+    """Two all-reduces of one size on the StarTrail group (collectives #1 and #2 there: #0 is the eager
+    initialisation); planted: rank 1 posts them in the
+    other order (gloo reduces the wrong tensors together, silently)."""
+    transport = new_startrail_groups(team_size=1).transport
+    first, second = torch.full((4,), 1.0 + rank), torch.full((4,), 10.0 + rank)
+    order = [("grads", first), ("stats", second)]
+    if planted and rank == 1:
+        order.reverse()
+    works = [transport.collective(dist.all_reduce, t, group=transport.groups["startrail"], label=label)
+             for label, t in order]
+    transport.wait(works)
+    try:
+        nccl_rules.verify_across_ranks()
+    except AssertionError as error:
+        return first[0].item(), str(error)
+    return first[0].item(), None
+
+
+def test_a_collective_posted_in_different_orders_is_caught():
+    assert run_ranks(collective_order_worker, 2, args=(False,)) == [(3.0, None), (3.0, None)]
+    results = run_ranks(collective_order_worker, 2, args=(True,))
+    assert results[0][0] == 12.0, "gloo summed rank 0's grads with rank 1's stats"
+    for _, error in results:
+        assert ("startrail#0 [0, 1]: collective #1 is {0: 'grads:all_reduce', 1: 'stats:all_reduce'} by rank: "
+                "posted in different orders") in error
+
+
+def test_replay_on_hand_made_programs():
+    """The replay's rules one at a time: FIFO per communicator, waits before a post, matching
+    by order, collectives by index; sizes that differ are reported."""
+    from megatron_startrail.nccl_replay import replay
+
+    x, y = ("x", (0, 1)), ("y", (0, 1))
+
+    def p2p(op, comm, peer, direction, nbytes=4):
+        return ("post", op, comm, "p2p", [(peer, direction, "m", nbytes)])
+
+    # Posting both before waiting never hangs, whatever the communicators.
+    assert replay({0: [p2p(0, x, 1, "send"), p2p(1, y, 1, "recv"), ("wait", [0, 1])],
+                   1: [p2p(0, y, 0, "send"), p2p(1, x, 0, "recv"), ("wait", [0, 1])]}) == []
+    # One communicator is one stream: rank 1 receiving in the other order than rank 0 sends
+    # on two communicators is fine, on one it is a hang (the first receive waits for a send
+    # queued behind the second).
+    assert replay({0: [p2p(0, x, 1, "send"), p2p(1, y, 1, "send")],
+                   1: [p2p(0, y, 0, "recv"), p2p(1, x, 0, "recv")]}) == []
+    assert any("never complete" in p for p in replay({
+        0: [p2p(0, x, 1, "send"), p2p(1, x, 1, "recv")],
+        1: [p2p(0, x, 0, "send"), ("wait", [0]), p2p(1, x, 0, "recv")]}))
+    assert any("meets receive" in p for p in replay({0: [p2p(0, x, 1, "send", 4)], 1: [p2p(0, x, 0, "recv", 8)]}))
+    assert any("has no receive" in p for p in replay({0: [p2p(0, x, 1, "send")], 1: []}))
+    # The cross-communicator wait-before-post cycle: rank 0 waits for its send on x before
+    # posting its receive on y, rank 1 the other way round. (gloo hangs on this one too, its
+    # sends complete only when received, so it is planted here as a recorded program.)
+    cycle = replay({0: [p2p(0, x, 1, "send"), ("wait", [0]), p2p(1, y, 1, "recv"), ("wait", [1])],
+                    1: [p2p(0, y, 0, "send"), ("wait", [0]), p2p(1, x, 0, "recv"), ("wait", [1])]})
+    assert len(cycle) == 1 and cycle[0].startswith("NCCL would hang: 4 operations never complete; a cycle:")
+    assert "rank 0 p2p on x [0, 1] (send m to rank 1)\n      -> waits on rank 1 p2p on x [0, 1] (recv m from rank 0)" \
+        " [not started]\n      -> waits on rank 1 p2p on y [0, 1] (send m to rank 0)" in cycle[0]
+    # A collective waits for every rank of its communicator.
+    coll = lambda op, comm: ("post", op, comm, "coll", "sum")  # noqa: E731
+    assert replay({0: [coll(0, x)], 1: [coll(0, x)]}) == []
+    assert any("never complete" in p for p in replay({0: [coll(0, x), ("wait", [0]), coll(1, y)],
+                                                      1: [coll(0, y), ("wait", [0]), coll(1, x)]}))
