@@ -109,6 +109,59 @@ class StarTrailGroups:
         )
 
 
+# Note [communicators]
+# --------------------
+# Every NCCL communicator costs GPU memory (buffers per peer and channel), so a rank makes
+# only the ones the schedule needs beyond Megatron's (one group of each role per CP group):
+#
+#     role             ranks                      when                 carries
+#     cp               the CP group               Megatron's, reused   packed-document check, halo P2P
+#     cp_twin          the CP group               gloo only            halo P2P to a lower rank (gloo)
+#     startrail        the StarTrail group        U > 1 (else: cp)     sub-ring hops (channel "ring")
+#     startrail_twin   the StarTrail group        always               the side channel (NCCL), lower
+#                                                                      ranks (gloo); = cp_twin, U = 1
+#     team             C consecutive positions    C > 1                team collectives
+#     ulysses          U consecutive CP ranks     U > 1                the Ulysses all-to-alls
+#
+# With Ulysses off the StarTrail group IS the CP group (same ranks, same order), so one
+# communicator and one twin serve both. On NCCL the halo exchange posts on the "ring"
+# channel only, so the CP group's own twin is made only for gloo, where it gives transfers
+# to a lower rank their own TCP connection. Per rank, from Megatron (its CP group reused):
+# U = 1 makes the twin and, for C > 1, the team (before: five); U > 1 adds the Ulysses
+# group and the StarTrail group with its twin (and the CP twin on gloo) (before: six).
+
+
+def _create_groups(plans, cp_ranks, ulysses_size, team_size, timeout, create_group, cp_group) -> dict:
+    """Every group of every CP group, role by role in one order on every rank (collective);
+    returns this rank's group of each role (Note [communicators])."""
+    rank = dist.get_rank()
+    gloo = "nccl" not in str(dist.get_backend()).lower()
+
+    def create(rank_lists: list[list[int]], role: str) -> object | None:
+        mine = None
+        for ranks in rank_lists:
+            pg = create_group(ranks, timeout=timeout, group_desc=f"STARTRAIL_{role.upper()}")
+            if rank in ranks:
+                mine = pg
+        return mine
+
+    mine: dict[str, object | None] = dict.fromkeys(ROLES)
+    for plan, cp in zip(plans, cp_ranks):
+        built = {"cp": create([cp], "cp") if cp_group is None else (cp_group if rank in cp else None)}
+        built["ulysses"] = create(plan["ulysses"], "ulysses") if ulysses_size > 1 else None
+        if ulysses_size == 1:  # the StarTrail group is the CP group
+            built["startrail"] = built["cp"]
+            built["startrail_twin"] = built["cp_twin"] = create([cp], "startrail_twin")
+        else:
+            built["startrail"] = create(plan["startrail"], "startrail")
+            built["startrail_twin"] = create(plan["startrail"], "startrail_twin")
+            built["cp_twin"] = create([cp], "cp_twin") if gloo else None
+        built["team"] = create(plan["teams"], "team") if team_size > 1 else None
+        if rank in cp:
+            mine = built
+    return mine
+
+
 def torch_new_group(ranks: list[int], *, timeout, group_desc: str):
     """torch's group creation; Megatron passes its own ``parallel_state.create_group``."""
     return dist.new_group(ranks, timeout=timeout, group_desc=group_desc)
@@ -128,6 +181,7 @@ def new_startrail_groups(
     timeout: datetime.timedelta | None = None,
     create_group: Callable = torch_new_group,
     eager_init: bool = True,
+    cp_group=None,
 ) -> StarTrailGroups:
     """Create the StarTrail groups of every CP group; collective on every rank.
 
@@ -148,6 +202,11 @@ def new_startrail_groups(
     ``parallel_state.create_group`` with its NCCL options). ``eager_init`` runs one
     collective on every group before its first P2P, as NCCL requires (switch it off only
     to show what the NCCL-rules mode catches).
+
+    ``cp_group``: this rank's existing process group over its CP ranks (Megatron's
+    ``parallel_state.get_context_parallel_group()``), used instead of a new one -- and, with
+    Ulysses off, as the StarTrail group too, whose ranks are the same (Note [communicators]).
+    Pass it on every rank or on none (group creation is collective).
     """
     if not dist.is_initialized():
         raise RuntimeError("new_startrail_groups needs torch.distributed to be initialized")
@@ -172,27 +231,11 @@ def new_startrail_groups(
     team_size, ulysses_size = config.team_size, config.ulysses_size
     plans = [plan_cp_group(g, team_size, ulysses_size) for g in cp_ranks]
 
-    def create(rank_lists: list[list[int]], role: str) -> object | None:
-        """Every group of ``role`` (collective), returning this rank's."""
-        mine = None
-        for ranks in rank_lists:
-            pg = create_group(ranks, timeout=timeout, group_desc=f"STARTRAIL_{role.upper()}")
-            if rank in ranks:
-                mine = pg
-        return mine
-
-    mine: dict[str, object | None] = dict.fromkeys(ROLES)
-    for plan, cp in zip(plans, cp_ranks):
-        built = {"ulysses": create(plan["ulysses"], "ulysses") if ulysses_size > 1 else None,
-                 "startrail": create(plan["startrail"], "startrail"),
-                 "startrail_twin": create(plan["startrail"], "startrail_twin"),
-                 "team": create(plan["teams"], "team") if team_size > 1 else None,
-                 "cp": create([cp], "cp"),
-                 "cp_twin": create([cp], "cp_twin")}  # P2P over the CP group: the halo exchange
-        if rank in cp:
-            mine = built
-
+    mine = _create_groups(plans, cp_ranks, ulysses_size, team_size, timeout, create_group, cp_group)
     my_cp = next(g for g in cp_ranks if rank in g)
+    if cp_group is not None and list(dist.get_process_group_ranks(cp_group)) != my_cp:
+        raise ValueError(f"cp_group holds ranks {dist.get_process_group_ranks(cp_group)}, but this rank's CP "
+                         f"group is {my_cp}: pass the context-parallel group these CP ranks describe")
     cp_rank = my_cp.index(rank)
     st_rank, u_rank = divmod(cp_rank, ulysses_size)
     st_ranks = tuple(my_cp[s * ulysses_size + u_rank] for s in range(len(my_cp) // ulysses_size))

@@ -116,9 +116,11 @@ class Transport:
 
     def initialize(self) -> None:
         """Rule 2: one tiny all-reduce on every group of this rank, role by role (collective)."""
+        done = []
         for role in ROLES:
             group = self.groups[role]
-            if group is not None:
+            if group is not None and not any(group is g for g in done):  # a group serving two roles: once
+                done.append(group)
                 self.wait([self.collective(dist.all_reduce, torch.zeros(1, device=self.device()), group=group,
                                            label="initialize")])
 
@@ -177,7 +179,7 @@ def transport_for(groups: dict, p2p_ranks: tuple[int, ...], audit=None) -> Trans
     NCCL's rules as well)."""
     group = groups.get("startrail")
     backend = str(dist.get_backend(group)).lower()
-    if backend == "fake":  # torch's no-op group: one process standing in for any rank (benchmarks/gpu_check)
+    if "fake" in backend:  # torch's no-op group (e.g. "cpu:fake,meta:fake"): one process standing in for any rank (benchmarks/gpu_check)
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     cls = TRANSPORTS.get(backend)
     if cls is None:

@@ -112,3 +112,39 @@ def test_bad_settings_raise_value_error_naming_the_setting():
     assert "--ulysses-degree-in-cp" in msgs["heads_u"]
     assert "--ulysses-degree-in-cp" in msgs["kv_heads_u"]
     assert "dtype" in msgs["dtype"]
+
+
+def communicators_worker(rank, world_size):
+    """How many groups holding this rank new_startrail_groups makes (each is an NCCL
+    communicator on a GPU), with and without an existing CP group to reuse, and a run on it."""
+    counts = {}
+    for ulysses, team, reuse in ((1, 1, False), (1, 2, False), (1, 2, True), (2, 2, False), (2, 2, True)):
+        made = []
+
+        def create_group(ranks, *, timeout, group_desc, made=made):
+            pg = dist.new_group(ranks, timeout=timeout, group_desc=group_desc)
+            if rank in ranks:
+                made.append(group_desc)
+            return pg
+
+        groups = new_startrail_groups(team_size=team, ulysses_size=ulysses, create_group=create_group,
+                                      cp_group=dist.group.WORLD if reuse else None)
+        q, k, v = (torch.randn(8, 1, 4, 8, requires_grad=True) for _ in range(3))
+        startrail_attn(q, k, v, groups).sum().backward()  # the harness replays it under NCCL's rules
+        shared = groups.startrail_group is groups.cp_group
+        counts[ulysses, team, reuse] = (sorted(made), shared)
+    return counts
+
+
+def test_startrail_makes_only_the_communicators_it_needs():
+    """Note [communicators]: with Ulysses off the StarTrail group is the CP group (Megatron's,
+    when given) and its twin the CP group's twin; before, five groups per rank (startrail, its
+    twin, team, cp, cp twin), six with Ulysses."""
+    for counts in run_ranks(communicators_worker, 8):
+        assert counts[1, 1, False] == (["STARTRAIL_CP", "STARTRAIL_STARTRAIL_TWIN"], True)
+        assert counts[1, 2, False] == (["STARTRAIL_CP", "STARTRAIL_STARTRAIL_TWIN", "STARTRAIL_TEAM"], True)
+        assert counts[1, 2, True] == (["STARTRAIL_STARTRAIL_TWIN", "STARTRAIL_TEAM"], True)
+        # Ulysses: its group, the StarTrail group and twin, the team; the CP twin on gloo only.
+        assert counts[2, 2, True] == (["STARTRAIL_CP_TWIN", "STARTRAIL_STARTRAIL", "STARTRAIL_STARTRAIL_TWIN",
+                                       "STARTRAIL_TEAM", "STARTRAIL_ULYSSES"], False)
+        assert len(counts[2, 2, False][0]) == 6

@@ -82,7 +82,9 @@ def initialize_startrail(
     if dist.get_backend() == "nccl":  # StarTrail's groups live inside the CP groups: their NCCL settings
         pg_options = parallel_state.get_nccl_options("cp", nccl_comm_cfgs or {})
     create_group = functools.partial(parallel_state.create_group, pg_options=pg_options)
+    # Megatron's CP group is reused (and, with Ulysses off, is the StarTrail group): Note [communicators].
     groups = new_startrail_groups(cp_groups, team_size=team_size, ulysses_size=ulysses_size, timeout=timeout,
-                                  create_group=create_group, **options)
+                                  create_group=create_group, cp_group=parallel_state.get_context_parallel_group(),
+                                  **options)
     assert groups.cp_rank == parallel_state.get_context_parallel_rank()
     return groups

@@ -116,6 +116,10 @@ def test_constructor_errors_name_the_setting():
     ("qk_clip", True, "--qk-clip"),
     ("log_max_attention_logit", True, "--log-max-attention-logit"),
     ("experimental_attention_variant", "dsa", "--experimental-attention-variant dsa"),
+    ("fp8_dot_product_attention", True, "TransformerConfig.fp8_dot_product_attention"),
+    ("fp8_multi_head_attention", True, "TransformerConfig.fp8_multi_head_attention"),
+    ("cuda_graph_impl", "local", "--cuda-graph-impl local"),
+    ("hybrid_context_parallel", True, "--hybrid-context-parallel"),
 ])
 def test_a_config_asking_for_another_attention_is_refused(field, value, flag):
     """A TransformerConfig built by hand (no Megatron parser) meets the same table: the core
@@ -142,6 +146,9 @@ def reference(q, k, v, causal):
 def attention_worker(rank, world_size, team_size, ulysses, mask_type):
     Utils.initialize_model_parallel(context_parallel_size=world_size)
     groups = initialize_startrail(team_size, ulysses)
+    # Megatron's CP group is reused, and without Ulysses it is the StarTrail group (Note [communicators]).
+    assert groups.cp_group is parallel_state.get_context_parallel_group()
+    assert (groups.startrail_group is groups.cp_group) == (ulysses == 1)
     config = TransformerConfig(num_layers=1, hidden_size=HEADS * DIM, num_attention_heads=HEADS,
                                num_query_groups=KV_HEADS, context_parallel_size=world_size,
                                attention_dropout=0.0, use_cpu_initialization=True)
@@ -217,8 +224,10 @@ def packed_worker(rank, world_size, team_size, ulysses, layout, with_pg_collecti
 
 def test_core_attention_uses_the_cp_group_of_the_pg_collection_it_is_handed():
     """Megatron passes modules a pg_collection: its CP group carries the document check (one
-    collective per micro-batch); without one, the StarTrail groups' own CP group does."""
-    for with_pgs, want in ((True, "megatron cp"), (False, "startrail cp")):
+    collective per micro-batch); without one, the StarTrail groups' own CP group does -- which
+    initialize_startrail takes from Megatron too (Note [communicators]: no second communicator
+    over the same ranks)."""
+    for with_pgs, want in ((True, "megatron cp"), (False, "megatron cp")):
         for _, _, errors, _, check_groups in run_ranks(packed_worker, 4, args=(2, 1, "sample", with_pgs),
                                                         timeout=120):
             assert max(errors) < 1e-5 and check_groups == [want]
