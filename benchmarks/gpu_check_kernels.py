@@ -67,13 +67,7 @@ def varlen_call(seq: int, window: tuple[int, int]) -> KernelCall:
     """Three sequences of (queries, keys): (seq, seq), (seq // 2 + 3, seq + 5), (seq - 7, seq + 1):
     never fewer keys than queries, so every row sees a key under every window of WINDOWS
     (what the planner guarantees; flash-attn gives rows without keys lse +inf, not -inf)."""
-    lengths = [(seq, seq), (seq // 2 + 3, seq + 5), (seq - 7, seq + 1)]
-    q_rows, k_rows, a, b = [], [], 0, 0
-    for sq, sk in lengths:
-        q_rows.append((a, a + sq))
-        k_rows.append(((b, b + sk),))
-        a, b = a + sq, b + sk
-    return KernelCall(tuple(q_rows), tuple(k_rows), window)
+    return KernelCall.back_to_back([(seq, seq), (seq // 2 + 3, seq + 5), (seq - 7, seq + 1)], window)
 
 
 def _inputs(case: Case, call: KernelCall, device, seed: int = 0):

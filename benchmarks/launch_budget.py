@@ -239,13 +239,21 @@ def count_yardstick(case: Case) -> Counts:
             ops = [dist.P2POp(dist.isend, t, nxt) for t in send] + [dist.P2POp(dist.irecv, t, prv) for t in recv]
             return dist.batch_isend_irecv(ops)
 
-        with kernel_calls_count_once(counts, [_YardstickKernel]), _OpCounter(counts):
-            out = lse = None
-            kk, vv = k, v
+        def ring(kk, vv):
+            """Per step, the K, V held, the next hop in flight meanwhile."""
             for step in range(world):
                 if step + 1 < world:
                     nk, nv = torch.empty_like(kk), torch.empty_like(vv)
                     reqs = p2p([kk, vv], [nk, nv])
+                yield step, kk, vv
+                if step + 1 < world:
+                    for r in reqs:
+                        r.wait()
+                    kk, vv = nk, nv
+
+        with kernel_calls_count_once(counts, [_YardstickKernel]), _OpCounter(counts):
+            out = lse = None
+            for step, kk, vv in ring(k, v):
                 if step == 0:
                     out, lse = kernel.forward(q, kk, vv, True, scale)
                     out, lse = out.float(), lse.unsqueeze(-1)
@@ -255,19 +263,11 @@ def count_yardstick(case: Case) -> Counts:
                 else:
                     o, l = kernel.forward(q[:, :, half:], kk, vv, False, scale)
                     out[:, :, half:], lse[:, :, half:] = _update(out[:, :, half:], lse[:, :, half:], o, l)
-                if step + 1 < world:
-                    for r in reqs:
-                        r.wait()
-                    kk, vv = nk, nv
             out, lse = out.to(q.dtype), lse.squeeze(-1).transpose(1, 2).contiguous()
             # backward
             dq = torch.zeros_like(q, dtype=torch.float32)
             dk_acc = dv_acc = None
-            kk, vv = k, v
-            for step in range(world):
-                if step + 1 < world:
-                    nk, nv = torch.empty_like(kk), torch.empty_like(vv)
-                    reqs = p2p([kk, vv], [nk, nv])
+            for step, kk, vv in ring(k, v):
                 if step == 0:
                     gq, gk, gv = kernel.backward(dout, q, kk, vv, out, lse, True, scale)
                     dk_acc, dv_acc = gk.float(), gv.float()
@@ -289,10 +289,6 @@ def count_yardstick(case: Case) -> Counts:
                     for r in p2p([dk_acc, dv_acc], [ndk, ndv]):
                         r.wait()
                     dk_acc, dv_acc = ndk, ndv
-                if step + 1 < world:
-                    for r in reqs:
-                        r.wait()
-                    kk, vv = nk, nv
             dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
     return counts
 

@@ -289,6 +289,17 @@ class KernelCall:
     k_rows: tuple[tuple[tuple[int, int], ...], ...]  # sequence i: key row ranges, concatenated
     window: tuple[int, int] = (-1, -1)  # flash-attn's (left, right); (-1, 0) is causal
 
+    @classmethod
+    def back_to_back(cls, lengths, window: tuple[int, int] = (-1, -1)) -> KernelCall:
+        """A call of sequences of ``(query rows, key rows)`` lengths, each side's rows packed in
+        order (what a kernel sees; tests and the GPU kit build calls this way)."""
+        q_rows, k_rows, a, b = [], [], 0, 0
+        for sq, sk in lengths:
+            q_rows.append((a, a + sq))
+            k_rows.append(((b, b + sk),))
+            a, b = a + sq, b + sk
+        return cls(tuple(q_rows), tuple(k_rows), tuple(window))
+
     @property
     def causal(self) -> bool:
         return self.window == (-1, 0)

@@ -160,14 +160,7 @@ def one_sequence(sq, sk, causal):
     return KernelCall(((0, sq),), (((0, sk),),), (-1, 0) if causal else (-1, -1))
 
 
-def varlen(lengths, window):
-    """A call of sequences ``(sq, sk)``, rows packed in order."""
-    q_rows, k_rows, a, b = [], [], 0, 0
-    for sq, sk in lengths:
-        q_rows.append((a, a + sq))
-        k_rows.append(((b, b + sk),))
-        a, b = a + sq, b + sk
-    return KernelCall(tuple(q_rows), tuple(k_rows), window)
+varlen = KernelCall.back_to_back  # a call of sequences (sq, sk), rows packed in order
 
 
 @pytest.mark.parametrize("kernel", [ReferenceKernel(), TorchCPUFlashKernel()], ids=lambda k: k.name)

@@ -64,12 +64,7 @@ def random_call(gen, window, n_seq=3):
     """A call of ``n_seq`` sequences of random, unequal lengths (rows packed in order)."""
     lq = torch.randint(1, 9, (n_seq,), generator=gen).tolist()
     lk = torch.randint(1, 9, (n_seq,), generator=gen).tolist()
-    q_rows, k_rows, a, b = [], [], 0, 0
-    for x, y in zip(lq, lk):
-        q_rows.append((a, a + x))
-        k_rows.append(((b, b + y),))
-        a, b = a + x, b + y
-    return KernelCall(tuple(q_rows), tuple(k_rows), window)
+    return KernelCall.back_to_back(zip(lq, lk), window)
 
 
 WINDOWS = [(-1, -1), (-1, 0), (3, 0), (0, -1), (2, 1), (4, -1), (-1, 2)]
