@@ -6,6 +6,8 @@ every cited Markdown file, and every cited section of docs/design.md, real.
 
 import os
 import re
+import subprocess
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SKIP_DIRS = {"__pycache__", "build", "dist"}
@@ -51,3 +53,74 @@ def test_cited_sections_of_the_design_notes_exist():
 def test_readme_links_the_design_notes():
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         assert "](docs/design.md)" in f.read()
+
+
+# -- links and commands of the Markdown docs ------------------------------------------------
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+FENCE = re.compile(r"```[a-z]*\n(.*?)```", re.S)
+# What a docs command runs; scripts/run_main_job.sh passes its extra flags to the example.
+SCRIPT = re.compile(r"(examples/[\w/]+\.py|benchmarks/[\w/]+\.py|scripts/run_main_job\.sh|-m megatron_startrail\.planner)")
+FLAG = re.compile(r"(?<![\w-])--[a-z0-9][a-z0-9-]*")
+
+
+def markdown_docs():
+    """The Markdown a reader follows (not the result files benchmarks write)."""
+    for rel, text in text_files():
+        if rel.endswith(".md") and "results" not in rel.split(os.sep):
+            yield rel, text
+
+
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces to '-'."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(path: str) -> set[str]:
+    with open(path, encoding="utf-8") as f:
+        return {github_anchor(line.lstrip("#")) for line in f if line.startswith("#")}
+
+
+def test_every_relative_link_and_anchor_resolves():
+    broken = []
+    for rel, text in markdown_docs():
+        here = os.path.dirname(os.path.join(ROOT, rel))
+        for target in LINK.findall(text):
+            if re.match(r"[a-z]+:", target):
+                continue  # http(s), mailto: outside the repository
+            path, _, anchor = target.partition("#")
+            full = os.path.normpath(os.path.join(here, path)) if path else os.path.join(ROOT, rel)
+            if not os.path.exists(full):
+                broken.append(f"{rel}: {target} (no such file)")
+            elif anchor and full.endswith(".md") and anchor not in anchors(full):
+                broken.append(f"{rel}: {target} (no such heading)")
+    assert not broken, broken
+
+
+def _accepted_flags(script: str) -> set[str]:
+    """Every option of ``script``'s own parser, read from its ``--help``."""
+    if script == "scripts/run_main_job.sh":
+        script = "examples/pretrain_gpt.py"
+    argv = ["-m", "megatron_startrail.planner"] if script.startswith("-m") else [script]
+    proc = subprocess.run([sys.executable, *argv, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=180,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 0, (script, proc.stderr[-2000:])
+    return set(FLAG.findall(proc.stdout))
+
+
+def test_every_flag_in_a_docs_command_is_accepted_by_its_parser():
+    """A command shown in the docs (README, docs/, benchmarks/) runs as shown: each --flag after
+    the script is one the script's parser knows (for the example: Megatron's and StarTrail's)."""
+    commands = []
+    for rel, text in markdown_docs():
+        for block in FENCE.findall(text):
+            for line in block.replace("\\\n", " ").splitlines():
+                found = SCRIPT.search(line)
+                if found:
+                    commands.append((rel, found.group(1), FLAG.findall(line[found.end():])))
+    scripts = {script for _, script, _ in commands}
+    assert "examples/pretrain_gpt.py" in scripts, "the README's GPU command is no longer found"
+    accepted = {script: _accepted_flags(script) for script in sorted(scripts)}
+    unknown = [f"{rel}: {script} {flag}" for rel, script, flags in commands for flag in flags
+               if flag not in accepted[script]]
+    assert not unknown, unknown

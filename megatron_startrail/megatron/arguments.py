@@ -16,6 +16,7 @@ names the flag to change.
 from __future__ import annotations
 
 import argparse
+import re
 import os
 
 from ..config import BACKWARD_ROTATIONS
@@ -97,7 +98,18 @@ def add_startrail_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "a team size fit, the streamed backward rotation q (if --startrail-backward-rotation is auto), "
         "--startrail-serial-reverse-send and then regathering in the backward are switched on.",
     )
+    _escape_stray_percent(parser)
     return parser
+
+
+def _escape_stray_percent(parser: argparse.ArgumentParser) -> None:
+    """argparse formats help strings with ``%``; megatron-core 0.19.2's
+    ``--moe-paged-stash-buffer-size-factor-cuda`` help says "10%)", so ``--help`` raised
+    "unsupported format character". A ``%`` that starts no format is escaped, so that
+    ``pretrain_gpt.py --help`` lists every flag (tests/test_docs.py reads it)."""
+    for action in parser._actions:  # noqa: SLF001 - argparse keeps them here; there is no public list
+        if isinstance(action.help, str):
+            action.help = re.sub(r"%%|%(?!\()", "%%", action.help)  # "%%" stays, a lone "%" doubles
 
 
 def _kv_heads_per_tp_rank(args) -> int:
