@@ -49,8 +49,7 @@ def backward_kv(ctx, dout):
     dq = comm.reduce_scatter(dq_team, groups.team_group, groups.team_size, op="team_reduce_scatter")
     del dq_team
     dkv = _reduce_reverse_pieces(comm, groups, dkv_back)
-    dk, dv = dkv[..., :dqk].to(dtype), dkv[..., dqk:].to(dtype)
-    return dq.to(dtype), dk, dv
+    return (dq.to(dtype), *blocks.split_kv(dkv, dqk, dtype))
 
 
 def backward_q(ctx, dout):
@@ -72,8 +71,7 @@ def backward_q(ctx, dout):
     dq, dkv = _sub_ring_backward_q(comm, groups, ctx.docs, ctx.kernel, ctx.transfer, q, dout, out, lse,
                                    kv_init, causal=ctx.causal, scale=ctx.scale, window=ctx.window)
     del kv_init
-    dk, dv = dkv[..., :dqk].to(dtype), dkv[..., dqk:].to(dtype)
-    return dq.to(dtype), dk, dv
+    return (dq.to(dtype), *blocks.split_kv(dkv, dqk, dtype))
 
 
 def _member_side(comm, groups, own_side: list[torch.Tensor], i: int) -> list[torch.Tensor]:
@@ -265,7 +263,7 @@ def _backward_q_piece_major(ctx, comm, dout):
         del dkv
     reducer.through(c - 1)
     dkv = reducer.mine
-    return dq.to(dtype), dkv[..., :dqk].to(dtype), dkv[..., dqk:].to(dtype)
+    return (dq.to(dtype), *blocks.split_kv(dkv, dqk, dtype))
 
 
 # -- the backward's own phases (rotation "kv") ------------------------------------------------

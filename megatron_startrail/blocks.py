@@ -32,6 +32,11 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def split_kv(kv: torch.Tensor, dqk: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[..., dqk + dv]`` (K | V side by side, or their gradients) -> K part, V part in ``dtype``."""
+    return kv[..., :dqk].to(dtype), kv[..., dqk:].to(dtype)
+
+
 def merge_lse_(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
     """In place: fold a partial (out, lse) into the accumulator (out ``[b, h, s, d]``, lse ``[b, h, s]``).
 

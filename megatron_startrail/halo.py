@@ -155,7 +155,7 @@ class _HaloAttention(torch.autograd.Function):
         for (buf, _), (_, ranges) in zip(got, plan.send):
             blocks.add_rows(dkv, buf, ranges)
         dtype = q.dtype
-        return (dq.to(dtype), dkv[..., :dqk].to(dtype), dkv[..., dqk:].to(dtype)) + (None,) * 10
+        return (dq.to(dtype), *blocks.split_kv(dkv, dqk, dtype)) + (None,) * 10
 
 
 def halo_attn(q, k, v, groups, docs, plan, window, causal, scale, kernel, fwd_stats, bwd_stats, timeline):
