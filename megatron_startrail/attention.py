@@ -21,7 +21,7 @@ send, in the same pieces (rotation "q": each as soon as the last step has comput
 Memory: without regathering the forward keeps the team's Q and the K, V of the
 initial send for the backward (``3C`` shares with MHA instead of ring attention's 3);
 with it, only this rank's q, k, v, out and lse, what ring attention keeps, for one
-more team all-gather and initial send per backward (Note [regather] in the README).
+more team all-gather and initial send per backward (Note [regather] in docs/memory.md).
 
 Head dims: V may have its own head dim ``dv`` (Multi-Latent Attention); K and V travel
 side by side in the last dim, so nothing is padded.

@@ -48,7 +48,7 @@ def req(device="cuda", dtype=torch.bfloat16, qk=128, v=None, gqa=1, available=AL
     return KernelRequest(device, dtype, qk, v or qk, gqa, frozenset(available))
 
 
-# (request, expected auto choice): the README table, row by row.
+# (request, expected auto choice): the table of docs/block-kernels.md, row by row.
 CASES = [
     (req("cpu", torch.float32), "torch_cpu_flash"),
     (req("cpu", torch.float64, 192, 128), "torch_cpu_flash"),

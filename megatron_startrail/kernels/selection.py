@@ -3,7 +3,7 @@
 :func:`choose_kernel` decides from the device type, dtype, q/k head dim, v head dim, GQA
 ratio and the set of usable kernel backends (probed by
 :func:`megatron_startrail.kernels.usable_backends`, passed in here so that the whole rule
-table can be tested on a CPU). The rules, in ``auto`` order (README, "Block kernels")::
+table can be tested on a CPU). The rules, in ``auto`` order (docs/block-kernels.md)::
 
     kernel                device  dtypes                  head dims (q/k, v)        needs
     torch_cpu_flash       cpu     fp32 fp64 bf16 fp16     any; V padded if != q/k    -

@@ -73,7 +73,7 @@ def add_startrail_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     group.add_argument(
         "--startrail-kernel", choices=KERNELS, default="auto",
         help="Block kernel of the StarTrail schedule: 'auto' (chosen from device, dtype, head dims "
-        "and installed libraries; see the README's table) or one forced by name; a forced kernel "
+        "and installed libraries; see docs/block-kernels.md) or one forced by name; a forced kernel "
         "that cannot take the attention inputs stops the run with an error naming this flag.",
     )
     group.add_argument(
