@@ -131,6 +131,23 @@ class StarTrailGroups:
 # group and the StarTrail group with its twin (and the CP twin on gloo) (before: six).
 
 
+def _checked_cp_ranks(cp_ranks, cp_group) -> list[list[int]]:
+    """``cp_ranks`` as lists of ints (``None``: one CP group of the whole world), or ValueError
+    (before any group exists) when they do not partition the world into equal groups or
+    ``cp_group`` is not this rank's."""
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    cp_ranks = [list(range(world_size))] if cp_ranks is None else [list(map(int, g)) for g in cp_ranks]
+    if sorted(r for g in cp_ranks for r in g) != list(range(world_size)):
+        raise ValueError(f"cp_ranks must list every rank of the world ({world_size}) exactly once, got {cp_ranks}")
+    if len({len(g) for g in cp_ranks}) != 1:
+        raise ValueError(f"all context-parallel groups must have the same size, got {cp_ranks}")
+    my_cp = next(g for g in cp_ranks if rank in g)
+    if cp_group is not None and list(dist.get_process_group_ranks(cp_group)) != my_cp:
+        raise ValueError(f"cp_group holds ranks {dist.get_process_group_ranks(cp_group)}, but this rank's CP "
+                         f"group is {my_cp}: pass the context-parallel group these CP ranks describe")
+    return cp_ranks
+
+
 def _create_groups(plans, cp_ranks, ulysses_size, team_size, timeout, create_group, cp_group) -> dict:
     """Every group of every CP group, role by role in one order on every rank (collective);
     returns this rank's group of each role (Note [communicators])."""
@@ -210,17 +227,8 @@ def new_startrail_groups(
     """
     if not dist.is_initialized():
         raise RuntimeError("new_startrail_groups needs torch.distributed to be initialized")
-    world_size, rank = dist.get_world_size(), dist.get_rank()
-    if cp_ranks is None:
-        cp_ranks = [list(range(world_size))]
-    cp_ranks = [list(map(int, g)) for g in cp_ranks]
-    flat = sorted(r for g in cp_ranks for r in g)
-    if flat != list(range(world_size)):
-        raise ValueError(
-            f"cp_ranks must list every rank of the world ({world_size}) exactly once, got {cp_ranks}"
-        )
-    if len({len(g) for g in cp_ranks}) != 1:
-        raise ValueError(f"all context-parallel groups must have the same size, got {cp_ranks}")
+    rank = dist.get_rank()
+    cp_ranks = _checked_cp_ranks(cp_ranks, cp_group)
     if config is None:
         if team_size is None:
             raise ValueError("new_startrail_groups needs team_size (or a StarTrailConfig as config=)")
@@ -232,10 +240,16 @@ def new_startrail_groups(
     plans = [plan_cp_group(g, team_size, ulysses_size) for g in cp_ranks]
 
     mine = _create_groups(plans, cp_ranks, ulysses_size, team_size, timeout, create_group, cp_group)
-    my_cp = next(g for g in cp_ranks if rank in g)
-    if cp_group is not None and list(dist.get_process_group_ranks(cp_group)) != my_cp:
-        raise ValueError(f"cp_group holds ranks {dist.get_process_group_ranks(cp_group)}, but this rank's CP "
-                         f"group is {my_cp}: pass the context-parallel group these CP ranks describe")
+    groups = _groups_of_this_rank(mine, next(g for g in cp_ranks if rank in g), config)
+    if eager_init:
+        groups.transport.initialize()
+    return groups
+
+
+def _groups_of_this_rank(mine: dict, my_cp: list[int], config: StarTrailConfig) -> StarTrailGroups:
+    """This rank's :class:`StarTrailGroups`: where it sits, its groups of each role, and the
+    transport over them (checking NCCL's rules in that mode)."""
+    rank, ulysses_size = dist.get_rank(), config.ulysses_size
     cp_rank = my_cp.index(rank)
     st_rank, u_rank = divmod(cp_rank, ulysses_size)
     st_ranks = tuple(my_cp[s * ulysses_size + u_rank] for s in range(len(my_cp) // ulysses_size))
@@ -245,10 +259,8 @@ def new_startrail_groups(
                                       for role, g in mine.items() if g is not None})
     transport = transport_for(mine, st_ranks, audit)
     cp_transport = transport.on(("cp", "cp_twin"), tuple(my_cp))  # P2P between CP ranks (halo exchange)
-    if eager_init:
-        transport.initialize()
     return StarTrailGroups(
-        topology=StarTrailTopology(len(st_ranks), team_size),
+        topology=StarTrailTopology(len(st_ranks), config.team_size),
         cp_global_ranks=tuple(my_cp),
         cp_rank=cp_rank,
         ulysses_size=ulysses_size,
