@@ -3,7 +3,8 @@
 Four parts, one Markdown file (``benchmarks/results/gpu_check.md`` by default):
 
 1. every block kernel x {bf16, fp16, fp32} x {equal head dims, MLA dims} x the window classes
-   of a variable-length call (none, causal, a band, a band's cut edge) x {MHA, GQA}, forward + backward against float64 (PASS / FAIL / SKIP with the reason);
+   of a variable-length call (none, causal, a band, a band's cut edge) x {MHA, GQA}, forward +
+   backward against float64 (PASS / FAIL / SKIP with the reason);
 2. each usable fused kernel's forward + backward against torch SDPA on the same shapes;
 3. one StarTrail rank at long context through torch's no-op process group: its forward +
    backward time against (one fused SDPA forward + backward over the whole sequence) / P,

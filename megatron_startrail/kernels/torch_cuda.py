@@ -45,7 +45,7 @@ def _bias(mask, q):
 
 
 class _TorchFlashVarlen:
-    deterministic = False  # the op has no deterministic backward switch: refused in arguments
+    deterministic = False  # no switch on the op: torch.use_deterministic_algorithms governs it (not seen on a GPU)
 
     @staticmethod
     def _args(call, batch, device):
