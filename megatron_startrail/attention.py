@@ -290,27 +290,37 @@ def startrail_attn(
         q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
     check_inputs(q, k, v, groups)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    fwd_stats, bwd_stats = CommStats(), CommStats()
-    groups.last_forward_stats, groups.last_backward_stats = fwd_stats, bwd_stats
-    docs = agree_on_documents(cu_seqlens, cu_seqlens_padded, q.shape[0], q.shape[1], groups, fwd_stats, q.device,
+    stats = CommStats(), CommStats()  # forward, backward
+    groups.last_forward_stats, groups.last_backward_stats = stats
+    docs = agree_on_documents(cu_seqlens, cu_seqlens_padded, q.shape[0], q.shape[1], groups, stats[0], q.device,
                               cp_group)
-    rotation = groups.backward_rotation
-    if rotation == "auto":
-        shape = AttentionShape(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], q.element_size(),
-                               v_head_dim=v.shape[3])
-        rotation = choose_backward_rotation(shape, groups.ulysses_size, groups.team_size)
+    out = _attend(q, k, v, groups, docs, stats, timeline, causal=causal, scale=scale, transfer=transfer,
+                  regather=bool(regather_in_backward), window=_window(window_size, causal), halo=halo_exchange)
+    return out.squeeze(1) if thd else out
 
-    window = _window(window_size, causal)
-    plan = halo_plan(docs, window, causal, groups.cp_rank) if window is not None and halo_exchange else None
-    if plan is not None:  # every window reaches only the CP neighbours: exchange just those keys
-        out = halo_attn(q, k, v, groups, docs, plan, window, causal, scale,
-                        kernel_for(q, k, v, groups.kernel, groups.config.deterministic),
-                        fwd_stats, bwd_stats, timeline)
-        return out.squeeze(1) if thd else out
+
+def _backward_rotation(groups: StarTrailGroups, q, k, v) -> str:
+    """The groups' backward rotation; for "auto" the one that moves fewer bytes for these shapes."""
+    if groups.backward_rotation != "auto":
+        return groups.backward_rotation
+    shape = AttentionShape(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], q.element_size(),
+                           v_head_dim=v.shape[3])
+    return choose_backward_rotation(shape, groups.ulysses_size, groups.team_size)
+
+
+def _attend(q, k, v, groups, docs, stats, timeline, *, causal, scale, transfer, regather, window, halo):
+    """The halo exchange where every window reaches only the CP neighbours, else (around the
+    Ulysses all-to-alls) :class:`_StarTrailAttention`; ``[n, b, h, dv]``."""
+    fwd_stats, bwd_stats = stats
+    plan = halo_plan(docs, window, causal, groups.cp_rank) if window is not None and halo else None
+    if plan is not None:  # exchange just the keys the windows reach
+        kernel = kernel_for(q, k, v, groups.kernel, groups.config.deterministic)
+        return halo_attn(q, k, v, groups, docs, plan, window, causal, scale, kernel, fwd_stats, bwd_stats, timeline)
+    rotation = _backward_rotation(groups, q, k, v)
     if groups.ulysses_size > 1:
         q, k, v = gather_sequence(q, k, v, groups, fwd_stats, bwd_stats, timeline)
-    out = _StarTrailAttention.apply(q, k, v, groups, docs, causal, scale, rotation, transfer,
-                                    bool(regather_in_backward), fwd_stats, bwd_stats, timeline, window)
+    out = _StarTrailAttention.apply(q, k, v, groups, docs, causal, scale, rotation, transfer, regather, fwd_stats,
+                                    bwd_stats, timeline, window)
     if groups.ulysses_size > 1:
         out = scatter_sequence(out, groups, fwd_stats, bwd_stats, timeline)
-    return out.squeeze(1) if thd else out
+    return out

@@ -194,6 +194,49 @@ def _halo_layer(cluster: ClusterSpec, work: Workload, cp_size: int, team_size: i
                       regather_in_backward and team_size > 1, work.layers * kept, work.layers * kept + transient)
 
 
+def _ulysses_and_team_phases(cluster, shape, teams, ulysses_groups, c, regather_in_backward, rotation) -> list:
+    """The blocking collectives of one layer outside the sub-ring: the Ulysses all-to-alls
+    (forward and backward), the team all-gather of q, k|v (again when the backward regathers:
+    k|v only with rotation "q", which broadcasts the queries member by member) and the merge
+    of out, lse; each ``(seconds, the busiest node's inter-node bytes)``."""
+    u = len(ulysses_groups[0])
+    e, a = shape.dtype_bytes, shape.acc_bytes
+    eq, ekv, eo, el = startrail_rank_elements(shape, u)
+    phases = []
+    if u > 1:
+        phases.append(cluster.collective_time(ulysses_groups, 2 * (u - 1) / u * (eq + eo + ekv) * e, calls=8,
+                                              ring=False))
+    if c > 1:
+        phases.append(cluster.collective_time(teams, (c - 1) * (eq + ekv) * e))
+        if regather_in_backward:
+            phases.append(cluster.collective_time(teams, (c - 1) * (ekv + (eq if rotation == "kv" else 0)) * e))
+        phases.append(cluster.collective_time(teams, (c - 1) * (eo * e + el * a), ring=False))
+    return phases
+
+
+def _with_pieces(total, cluster, c, g, init_send_s, reverse_s, fwd_step_s, bwd_step_s, regather_in_backward,
+                 rotation, serial) -> float:
+    """``total`` seconds with what the C-piece transfers change: what each piece hides behind the
+    step that attends it, the streamed rotation q's extra rounds, one latency per piece message."""
+
+    def pipelined(transfer_s: float, step_compute_s: float) -> float:
+        """What a transfer cut in C pieces hides behind the step that attends each piece."""
+        return cluster.overlap * (c - 1) / c * min(transfer_s, step_compute_s)
+
+    total -= pipelined(init_send_s, fwd_step_s)
+    if regather_in_backward:
+        total -= pipelined(init_send_s, bwd_step_s)
+    if rotation == "q" and not serial:  # dK, dV go back piece by piece during the last step
+        total -= pipelined(reverse_s, bwd_step_s)
+        # Note [streamed rotation q]: C passes of the sub-ring, one member's rows each: the
+        # same bytes, C times the sequential rounds (each one latency more).
+        total += (c - 1) * (g if g > 1 else 0) * cluster.inter_latency_s
+    # Each piece is its own message: the initial send, the reverse send, [the regathered
+    # initial send], step 0's hop forward and, with rotation "kv", backward.
+    cut_transfers = 2 + regather_in_backward + (g > 1) + (g > 1 and rotation == "kv")
+    return total + (c - 1) * cut_transfers * cluster.inter_latency_s
+
+
 def _schedule_layer(cluster: ClusterSpec, work: Workload, cp_size: int, team_size: int, ulysses_size: int = 1,
                     transfer: str = "ring", regather_in_backward: bool = False, *,
                     rotation: str = "auto", serial_reverse_send: bool = False) -> Prediction:
@@ -214,17 +257,10 @@ def _schedule_layer(cluster: ClusterSpec, work: Workload, cp_size: int, team_siz
     phases = []  # blocking phases: (seconds, the busiest node's inter-node bytes)
 
     teams = [[cp_rank(p, x) for p in team] for x in range(u) for team in topo.teams()]
-    if u > 1:  # Ulysses all-to-alls of q, k, v and the output, forward and backward
-        uly = [[cp_rank(p, x) for x in range(u)] for p in positions]
-        phases.append(cluster.collective_time(uly, 2 * (u - 1) / u * (eq + eo + ekv) * e, calls=8, ring=False))
     if rotation == "auto":
         rotation = choose_backward_rotation(shape, u, c)
-    if c > 1:  # team all-gather of q, k|v (again when the backward regathers: k|v only with
-        # rotation "q", which broadcasts the queries member by member); merge of out, lse
-        phases.append(cluster.collective_time(teams, (c - 1) * (eq + ekv) * e))
-        if regather_in_backward:
-            phases.append(cluster.collective_time(teams, (c - 1) * (ekv + (eq if rotation == "kv" else 0)) * e))
-        phases.append(cluster.collective_time(teams, (c - 1) * (eo * e + el * a), ring=False))
+    phases += _ulysses_and_team_phases(cluster, shape, teams, [[cp_rank(p, x) for x in range(u)] for p in positions],
+                                       c, regather_in_backward, rotation)
 
     def initial_send(nbytes: float) -> tuple[float, float]:
         return cluster.exchange_time([(cp_rank(p, x), cp_rank(topo.init_send_dst(p), x), nbytes)
@@ -270,24 +306,9 @@ def _schedule_layer(cluster: ClusterSpec, work: Workload, cp_size: int, team_siz
     else:
         phases.append(reverse)
     total += sum(t for t, _ in phases)
-
-    def pipelined(transfer_s: float, step_compute_s: float) -> float:
-        """What a transfer cut in C pieces hides behind the step that attends each piece."""
-        return cluster.overlap * (c - 1) / c * min(transfer_s, step_compute_s)
-
-    total -= pipelined(init_fwd[0][0], compute_fwd / g)
-    if regather_in_backward:
-        total -= pipelined(init_fwd[0][0], compute_bwd / g)
     serial = serial_reverse_send and rotation == "q" and topo.one_position_sub_rings
-    if rotation == "q" and not serial:  # dK, dV go back piece by piece during the last step
-        total -= pipelined(reverse[0], compute_bwd / g)
-        # Note [streamed rotation q]: C passes of the sub-ring, one member's rows each: the
-        # same bytes, C times the sequential rounds (each one latency more).
-        total += (c - 1) * (g if g > 1 else 0) * cluster.inter_latency_s
-    # Each piece is its own message: the initial send, the reverse send, [the regathered
-    # initial send], step 0's hop forward and, with rotation "kv", backward.
-    cut_transfers = 2 + regather_in_backward + (g > 1) + (g > 1 and rotation == "kv")
-    total += (c - 1) * cut_transfers * cluster.inter_latency_s
+    total = _with_pieces(total, cluster, c, g, init_fwd[0][0], reverse[0], compute_fwd / g, compute_bwd / g,
+                         regather_in_backward, rotation, serial)
     compute = compute_fwd + compute_bwd
     kept = work.layers * kept_for_backward_bytes(shape, ulysses_size=u, team_size=c,
                                                  regather_in_backward=regather_in_backward, rotation=rotation)
