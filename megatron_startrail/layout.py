@@ -312,11 +312,11 @@ class KernelCall:
     def cu_seqlens_k(self) -> tuple[int, ...]:
         return _cumulative([sum(b - a for a, b in ranges) for ranges in self.k_rows])
 
-    @property
+    @functools.cached_property  # read by the GPU kernels every step: computed once per call
     def max_seqlen_q(self) -> int:
         return max(b - a for a, b in self.q_rows)
 
-    @property
+    @functools.cached_property
     def max_seqlen_k(self) -> int:
         return max(sum(b - a for a, b in ranges) for ranges in self.k_rows)
 

@@ -65,30 +65,35 @@ def relative_error(got, want):
     return ((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
 
+def flash_rule(sq, sk, window):
+    """flash-attn's variable-length mask of one sequence, written out from its documentation:
+    query r sees key c iff r + sk - sq - left <= c <= r + sk - sq + right (-1: unbounded)."""
+    left, right = window
+    r, c = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
+    mask = torch.ones(sq, sk, dtype=torch.bool)
+    if left >= 0:
+        mask &= c >= r + sk - sq - left
+    if right >= 0:
+        mask &= c <= r + sk - sq + right
+    return mask
+
+
 def plan_coverage(q_segments, k_segments, causal, window=None, max_rows=None):
     """How many times each (query row, key row) pair of local storage is computed by the
-    planned kernel calls, each sequence read with flash-attn's rule (written out here, not
-    taken from the kernels): query r of a sequence of sq queries and sk keys sees key c iff
-    r + sk - sq - left <= c <= r + sk - sq + right. Also checks what the merge relies on:
+    planned kernel calls, each sequence read with :func:`flash_rule` (not taken from the
+    kernels). Also checks what the merge relies on:
     no two sequences of a call share a query row, and every query row sees a key."""
     q_total = sum(b - a for _, a, b in q_segments)
     k_total = sum(b - a for _, a, b in k_segments)
     count = torch.zeros(q_total, k_total, dtype=torch.int64)
     for call in plan_calls(q_segments, k_segments, causal, window, max_rows):
-        left, right = call.window
         rows = torch.cat([torch.arange(a, b) for a, b in call.q_rows])
         assert len(set(rows.tolist())) == len(rows), "sequences of one call share a query row"
         if max_rows is not None:
             assert len(rows) <= max_rows or len(call.q_rows) == 1
         for (q0, q1), k_rows in zip(call.q_rows, call.k_rows):
             cols = torch.cat([torch.arange(a, b) for a, b in k_rows])
-            sq, sk = q1 - q0, len(cols)
-            offset = torch.arange(sk)[None, :] - torch.arange(sq)[:, None] - (sk - sq)
-            sub = torch.ones(sq, sk, dtype=torch.bool)
-            if left >= 0:
-                sub &= offset >= -left
-            if right >= 0:
-                sub &= offset <= right
+            sub = flash_rule(q1 - q0, len(cols), call.window)
             assert sub.any(dim=1).all(), "a query row of a sequence sees no key"
             count[q0:q1][:, cols] += sub.long()
     return count

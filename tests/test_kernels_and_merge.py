@@ -16,7 +16,7 @@ from megatron_startrail.layout import (
     startrail_position_chunks,
     zigzag_chunks,
 )
-from tests.attention_cases import TOLERANCE, plan_coverage, reference_with_grads, relative_error, zigzag_ranges
+from tests.attention_cases import TOLERANCE, flash_rule, plan_coverage, reference_with_grads, relative_error, zigzag_ranges
 
 KERNELS = [ReferenceKernel(), TorchCPUFlashKernel()]
 
@@ -24,19 +24,6 @@ KERNELS = [ReferenceKernel(), TorchCPUFlashKernel()]
 def whole_chunks(chunks, chunk_len):
     """Segments (document 0, start, stop) of whole chunks of one dense sequence, in the order listed."""
     return tuple((0, c * chunk_len, (c + 1) * chunk_len) for c in chunks)
-
-
-def flash_rule(sq, sk, window):
-    """flash-attn's variable-length mask of one sequence, written out from its documentation:
-    query r sees key c iff r + sk - sq - left <= c <= r + sk - sq + right (-1: unbounded)."""
-    left, right = window
-    r, c = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
-    mask = torch.ones(sq, sk, dtype=torch.bool)
-    if left >= 0:
-        mask &= c >= r + sk - sq - left
-    if right >= 0:
-        mask &= c <= r + sk - sq + right
-    return mask
 
 
 def float64_call(q, k, v, dout, call, scale):
