@@ -34,8 +34,8 @@ from benchmarks.testbed.peer_models import predict_torch_ring  # noqa: E402
 from benchmarks.testbed.ranking import check_ranking  # noqa: E402
 from benchmarks.testbed.testbed_model import testbed_cluster  # noqa: E402
 from benchmarks.timeline_report import phase_summary, phase_table, plot_timeline  # noqa: E402
-from megatron_startrail.cluster import ClusterSpec  # noqa: E402
-from megatron_startrail.planner import Workload, predict  # noqa: E402
+from megatron_startrail.planning.cluster import ClusterSpec  # noqa: E402
+from megatron_startrail.planning.planner import Workload, predict  # noqa: E402
 from megatron_startrail.topology import valid_team_sizes  # noqa: E402
 
 

@@ -5,7 +5,7 @@ StarTrail-2 and StarTrail-4 it predicts fastest, per cluster and workload.
 
 Nothing here is measured (we have none of these clusters); every input is a public
 figure or a stated assumption, and the clusters are the package's presets
-(megatron_startrail/cluster.py, which gives the line rates, efficiencies, overlap and
+(megatron_startrail/planning/cluster.py, which gives the line rates, efficiencies, overlap and
 kernel rates). The second table shows the winner for overlap 1.0 / 0.7 / 0.5 and
 Ethernet at 100 % / 50 % of line rate, the two assumptions it depends on most.
 
@@ -25,8 +25,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_startrail.cluster import GPU_OVERLAP, TCP_ETHERNET_EFFICIENCY, ClusterSpec, preset  # noqa: E402
-from megatron_startrail.planner import BACKWARD_FLOPS_RATIO, Workload, predict  # noqa: E402
+from megatron_startrail.planning.cluster import GPU_OVERLAP, TCP_ETHERNET_EFFICIENCY, ClusterSpec, preset  # noqa: E402
+from megatron_startrail.planning.planner import BACKWARD_FLOPS_RATIO, Workload, predict  # noqa: E402
 
 ETHERNET_LINE_GBS = 12.5  # 100 Gbit/s
 CLUSTERS = {  # label: preset

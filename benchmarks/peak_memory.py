@@ -14,7 +14,7 @@ method of the peer table (``cluster_bench.py``):
 Both are the maximum over ranks; the peak is the median of ``--repeats`` runs (default 3:
 which transfers complete together differs from run to run on gloo, and so does the peak;
 the table gives the range too). ``model`` is the closed form of
-:mod:`megatron_startrail.memory_model` (the attention's own buffers; the CPU kernel's
+:mod:`megatron_startrail.planning.memory_model` (the attention's own buffers; the CPU kernel's
 workspace is not in it). Configurations: ring attention (team size 1) and StarTrail with
 team size C, with and without ``regather_in_backward``, with the backward rotation ``auto``
 picks, with rotation "q" (streamed per team member, Note [streamed rotation q] in
@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.memory import peak_live_bytes, saved_bytes  # noqa: E402
 from megatron_startrail import new_startrail_groups, startrail_attn  # noqa: E402
 from megatron_startrail.accounting import AttentionShape  # noqa: E402
-from megatron_startrail.memory_model import layer_memory_bytes  # noqa: E402
+from megatron_startrail.planning.memory_model import layer_memory_bytes  # noqa: E402
 
 MiB = 2**20
 

@@ -1,10 +1,15 @@
 """StarTrailConfig: one frozen object for every StarTrail setting, checked when made."""
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 
 from megatron_startrail.config import StarTrailConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("field, value, flag", [
@@ -29,3 +34,15 @@ def test_it_is_frozen_and_compares_by_value():
         StarTrailConfig(regather_in_backward="yes")
     with pytest.raises(ValueError, match="serial_reverse_send.*--startrail-serial-reverse-send"):
         StarTrailConfig(serial_reverse_send=1)
+
+
+def test_the_runtime_does_not_import_the_planning_tools():
+    """Planner, cluster presets and memory model are apart from the runtime: importing the
+    attention, its groups and Megatron's core attention leaves ``megatron_startrail.planning``
+    unloaded (Megatron's argument validation imports it only for ``auto`` or a memory limit)."""
+    code = ("import sys; import megatron_startrail, megatron_startrail.attention, megatron_startrail.backward, "
+            "megatron_startrail.groups, megatron_startrail.megatron.arguments; "
+            "print(sorted(m for m in sys.modules if m.startswith('megatron_startrail.planning')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120,
+                         cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT)).stdout
+    assert out.strip() == "[]", out

@@ -1,11 +1,11 @@
-"""The closed form of one layer's live bytes (megatron_startrail/memory_model.py) against
+"""The closed form of one layer's live bytes (megatron_startrail/planning/memory_model.py) against
 the measured peak (benchmarks/peak_memory.py: CPU allocator events, forked gloo ranks)."""
 
 import pytest
 
 from benchmarks.peak_memory import run
 from megatron_startrail.accounting import AttentionShape, kept_for_backward_bytes
-from megatron_startrail.memory_model import activation_peak_bytes, layer_memory_bytes
+from megatron_startrail.planning.memory_model import activation_peak_bytes, layer_memory_bytes
 
 SHAPE = AttentionShape(256, 1, 4, 4, 32, 4)
 

@@ -16,9 +16,9 @@ from benchmarks.cluster_bench import cluster_spec, parser, workload
 from benchmarks.testbed.planner_validation import TOLERANCE, cluster_key, load
 from benchmarks.testbed.ranking import check_ranking
 from megatron_startrail.accounting import AttentionShape, expected_comm, kept_for_backward_bytes
-from megatron_startrail.cluster import DEFAULT_CLUSTER, IB_EFFICIENCY, ClusterSpec, preset
-from megatron_startrail.memory_model import layer_memory_bytes
-from megatron_startrail.planner import (
+from megatron_startrail.planning.cluster import DEFAULT_CLUSTER, IB_EFFICIENCY, ClusterSpec, preset
+from megatron_startrail.planning.memory_model import layer_memory_bytes
+from megatron_startrail.planning.planner import (
     BACKWARD_FLOPS_RATIO,
     Workload,
     choose_plan,
@@ -28,7 +28,7 @@ from megatron_startrail.planner import (
     plan,
     predict,
 )
-from megatron_startrail.planner import parser as planner_parser
+from megatron_startrail.planning.planner import parser as planner_parser
 from megatron_startrail.topology import StarTrailTopology, valid_team_sizes
 from megatron_startrail.transfer import sub_ring_lanes
 

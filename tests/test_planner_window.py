@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from megatron_startrail.accounting import AttentionShape, expected_comm, halo_bytes, halo_rows, kept_for_backward_bytes
-from megatron_startrail.cluster import ClusterSpec, preset
+from megatron_startrail.planning.cluster import ClusterSpec, preset
 from megatron_startrail.halo import MAX_HALO_SHARE
-from megatron_startrail.planner import (
+from megatron_startrail.planning.planner import (
     BACKWARD_FLOPS_RATIO,
     Workload,
     choose_plan,
@@ -27,8 +27,8 @@ from megatron_startrail.planner import (
     visible_pairs,
     window_layers,
 )
-from megatron_startrail.planner import main as planner_main
-from megatron_startrail.planner import parser as planner_parser
+from megatron_startrail.planning.planner import main as planner_main
+from megatron_startrail.planning.planner import parser as planner_parser
 from megatron_startrail.topology import valid_team_sizes
 from tests.attention_cases import window_mask
 from tests.test_planner import Recording, unlimited

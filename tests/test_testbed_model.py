@@ -10,7 +10,7 @@ import pytest
 from benchmarks.testbed import testbed_model
 from benchmarks.testbed.peer_models import EMPTY_MESSAGE_WIRE_BYTES, empty_messages_crossing, permute_overhead_s
 from benchmarks.testbed.testbed_model import TestBedCluster, ring_streams
-from megatron_startrail.cluster import ClusterSpec
+from megatron_startrail.planning.cluster import ClusterSpec
 
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
 

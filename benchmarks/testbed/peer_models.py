@@ -25,8 +25,8 @@ Two facts of gloo priced here (the project's own model has no use for them):
 from __future__ import annotations
 
 from benchmarks.testbed.testbed_model import ring_streams
-from megatron_startrail.cluster import ClusterSpec
-from megatron_startrail.planner import BACKWARD_FLOPS_RATIO, Workload, overlapped_steps
+from megatron_startrail.planning.cluster import ClusterSpec
+from megatron_startrail.planning.planner import BACKWARD_FLOPS_RATIO, Workload, overlapped_steps
 
 # Inter-node bytes on the wire of one empty gloo message (framing, TCP/IP headers, ACKs),
 # measured by the rotation probe (536, 540 and 537 bytes on 2 x 4 at 50, 100 and 200 Mbit/s,

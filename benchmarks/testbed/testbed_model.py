@@ -2,7 +2,7 @@
 (benchmarks/testbed/calibration.py), with what gloo and the emulated links do that a GPU cluster's
 transport does not.
 
-The package's model (megatron_startrail/cluster.py) prices a round of transfers as
+The package's model (megatron_startrail/planning/cluster.py) prices a round of transfers as
 latency + bytes / bandwidth per link and every sub-ring step's latency. On the test bed
 (gloo over TCP, nodes as network namespaces, links shaped with ``tc``, latencies of
 milliseconds) three things differ, each found by a probe or a validation run
@@ -24,7 +24,7 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from megatron_startrail.cluster import ClusterSpec
+from megatron_startrail.planning.cluster import ClusterSpec
 
 
 def ring_streams(cluster: ClusterSpec, rings: Iterable[Sequence[int]]) -> bool:

@@ -7,7 +7,7 @@
 # C consecutive CP ranks, inside one node: team collectives stay on NVLink. With CP=16 and
 # C=2 a sub-ring is 4 CP ranks at stride 2 within a team group of 8 consecutive CP ranks
 # (2 nodes), so 2 of its 4 hops cross nodes, for 3 steps of 2C chunks, instead of ring
-# attention's 15 steps. `python -m megatron_startrail.planner ...` (or
+# attention's 15 steps. `python -m megatron_startrail.planning ...` (or
 # --startrail-team-size auto) predicts the best C for your links and sequence length.
 #
 # Run on every node with NODE_RANK=0..3 and MASTER_ADDR set to node 0.

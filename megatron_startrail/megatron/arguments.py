@@ -53,7 +53,7 @@ def add_startrail_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     group.add_argument(
         "--startrail-team-size", type=_team_size, default=AUTO, metavar="C",
         help="StarTrail team size C (C*C must divide CP / U; C=1 is ring attention), or "
-        "'auto' to let megatron_startrail.planner choose it.",
+        "'auto' to let megatron_startrail.planning.planner choose it.",
     )
     group.add_argument(
         "--ulysses-degree-in-cp", type=int, default=1, metavar="U",
@@ -265,7 +265,7 @@ def _auto_plan(args, heads: int, kv_heads: int) -> None:
     """--startrail-team-size auto: the planner's fastest team size within the memory limit,
     priced on its default cluster (cluster.DEFAULT_CLUSTER: H100 nodes, 8 x 400 Gbit/s
     InfiniBand each) with this job's CP ranks per node; regathering on when it needs it to fit."""
-    from ..planner import choose_plan  # noqa: PLC0415 - only for auto
+    from ..planning.planner import choose_plan  # noqa: PLC0415 - only for auto
 
     best = choose_plan(**_planner_inputs(args, heads, kv_heads), **_window_inputs(args),
                        backward_rotation=getattr(args, "startrail_backward_rotation", "auto"))
@@ -282,7 +282,7 @@ def _fit_memory_limit(args, heads: int, kv_heads: int) -> None:
     """A given team size under --startrail-memory-limit-gb: the streamed backward rotation
     "q" and/or regathering where only that fits."""
     from ..accounting import AttentionShape  # noqa: PLC0415
-    from ..memory_model import activation_peak_bytes  # noqa: PLC0415
+    from ..planning.memory_model import activation_peak_bytes  # noqa: PLC0415
 
     inputs = _planner_inputs(args, heads, kv_heads)
     shape = AttentionShape(args.seq_length // args.context_parallel_size, args.micro_batch_size, heads, kv_heads,

@@ -58,7 +58,7 @@ def test_auto_team_size_asks_the_planner_with_the_flags_values(monkeypatch):
         return types.SimpleNamespace(team_size=4, regather_in_backward=True, rotation="q",
                                      serial_reverse_send=True)  # none is a default
 
-    monkeypatch.setattr("megatron_startrail.planner.choose_plan", spy)
+    monkeypatch.setattr("megatron_startrail.planning.planner.choose_plan", spy)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     args = parse(monkeypatch, "--context-parallel-size", "16", "--context-parallel-algo", "startrail",
                  "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
@@ -85,7 +85,7 @@ def test_auto_team_size_asks_the_planner_with_the_flags_values(monkeypatch):
 
 def test_memory_limit_turns_on_the_streamed_rotation_or_regathering_when_only_that_fits(monkeypatch):
     from megatron_startrail.accounting import AttentionShape  # noqa: PLC0415
-    from megatron_startrail.memory_model import activation_peak_bytes  # noqa: PLC0415
+    from megatron_startrail.planning.memory_model import activation_peak_bytes  # noqa: PLC0415
 
     flags = ["--context-parallel-size", "8", "--context-parallel-algo", "startrail", "--startrail-team-size", "2",
              "--seq-length", "4096", "--max-position-embeddings", "4096", "--num-layers", "8"]
@@ -129,7 +129,7 @@ def test_memory_limit_turns_on_the_serial_reverse_send_where_only_that_fits(monk
     # --startrail-serial-reverse-send lowers its peak (Note [piece-major rotation q]).
     from megatron_startrail.accounting import AttentionShape  # noqa: PLC0415
     from megatron_startrail.megatron.from_args import config_from_args  # noqa: PLC0415
-    from megatron_startrail.memory_model import activation_peak_bytes  # noqa: PLC0415
+    from megatron_startrail.planning.memory_model import activation_peak_bytes  # noqa: PLC0415
 
     flags = ["--context-parallel-size", "16", "--context-parallel-algo", "startrail", "--startrail-team-size", "4",
              "--seq-length", "4096", "--max-position-embeddings", "4096", "--num-layers", "8"]

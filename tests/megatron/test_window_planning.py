@@ -11,7 +11,7 @@ from megatron.core.transformer.utils import is_layer_window_attention  # noqa: E
 from megatron.training.arguments import parse_args  # noqa: E402
 
 from megatron_startrail.megatron.arguments import add_startrail_args, validate_startrail_args  # noqa: E402
-from megatron_startrail.planner import window_layers  # noqa: E402
+from megatron_startrail.planning.planner import window_layers  # noqa: E402
 from tests.megatron.test_arguments import BASE  # noqa: E402
 
 
@@ -34,7 +34,7 @@ def test_auto_team_size_hands_the_planner_the_window_flags(monkeypatch, skip, wa
         return types.SimpleNamespace(team_size=2, regather_in_backward=False, rotation="auto",
                                      serial_reverse_send=False)
 
-    monkeypatch.setattr("megatron_startrail.planner.choose_plan", spy)
+    monkeypatch.setattr("megatron_startrail.planning.planner.choose_plan", spy)
     extra = ["--window-attn-skip-freq", skip] if skip else []
     monkeypatch.setattr("sys.argv", ["pretrain_gpt.py", *BASE, "--num-layers", "4", "--context-parallel-size", "8",
                                      "--context-parallel-algo", "startrail", "--window-size", "64,0", *extra])

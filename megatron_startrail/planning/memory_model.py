@@ -37,8 +37,8 @@ rank, :func:`megatron_startrail.blocks.backward_step`): ``(Eq + Ekv) a``. Backen
 
 from __future__ import annotations
 
-from .accounting import AttentionShape, choose_backward_rotation, kept_for_backward_bytes, startrail_rank_elements
-from .topology import StarTrailTopology
+from ..accounting import AttentionShape, choose_backward_rotation, kept_for_backward_bytes, startrail_rank_elements
+from ..topology import StarTrailTopology
 
 
 def layer_memory_bytes(shape: AttentionShape, *, cp_size: int, team_size: int, ulysses_size: int = 1,

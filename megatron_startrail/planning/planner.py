@@ -3,7 +3,7 @@
 The model walks the schedule the implementation runs, with the bytes of
 :mod:`megatron_startrail.accounting`'s closed forms and the peers of
 :mod:`megatron_startrail.topology`, and prices each phase on a
-:class:`~megatron_startrail.cluster.ClusterSpec` (links, latencies, kernel rate, overlap)::
+:class:`~megatron_startrail.planning.cluster.ClusterSpec` (links, latencies, kernel rate, overlap)::
 
     sub-ring step = max(compute, transfer) + (1 - overlap) * min(compute, transfer)
                     (the next step's data flies while this one computes)
@@ -14,7 +14,7 @@ The model walks the schedule the implementation runs, with the bytes of
 
 Compute is the attention's FLOPs (causal: half the blocks) at ``attention_tflops``; the
 backward does 2.5x the forward's (flash attention recomputes). The default cluster is the
-``h100-nvlink-8x400ib`` preset (:mod:`megatron_startrail.cluster`).
+``h100-nvlink-8x400ib`` preset (:mod:`megatron_startrail.planning.cluster`).
 
 A sliding window (``Workload.window``) makes compute the pairs inside the window, and
 where no rank's window reaches past a quarter of the sequence the layer is the halo
@@ -24,7 +24,7 @@ the compute; C and U do not change it. With ``Workload.window_skip_freq`` (Megat
 ``--window-attn-skip-freq``) a prediction is the mean over the layers' mix of windowed and
 full-attention layers.
 
-    python -m megatron_startrail.planner --nodes 4 --cp-size 32 --seq-length 131072 --heads 32 --head-dim 128
+    python -m megatron_startrail.planning --nodes 4 --cp-size 32 --seq-length 131072 --heads 32 --head-dim 128
 """
 
 from __future__ import annotations
@@ -33,15 +33,15 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
-from .accounting import (AttentionShape, backward_p2p_parts, choose_backward_rotation, kept_for_backward_bytes,
+from ..accounting import (AttentionShape, backward_p2p_parts, choose_backward_rotation, kept_for_backward_bytes,
                          startrail_rank_elements)
-from .accounting import halo_rows
+from ..accounting import halo_rows
+from ..halo import MAX_HALO_SHARE
+from ..layout import normalize_window
+from ..topology import StarTrailTopology, valid_team_sizes
+from ..transfer import sub_ring_lanes
 from .cluster import DEFAULT_CLUSTER, PRESETS, ClusterSpec, preset
-from .halo import MAX_HALO_SHARE
-from .layout import normalize_window
 from .memory_model import activation_peak_bytes
-from .topology import StarTrailTopology, valid_team_sizes
-from .transfer import sub_ring_lanes
 
 BACKWARD_FLOPS_RATIO = 2.5
 
@@ -405,7 +405,8 @@ CLUSTER_FLAGS = [
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m megatron_startrail.planning", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cluster", choices=PRESETS, default=DEFAULT_CLUSTER, help="hardware preset (default: %(default)s)")
     p.add_argument("--nodes", type=int, required=True)
     for flag, _, kind, _, text in CLUSTER_FLAGS:  # give effective rates: what the transport delivers

@@ -1,0 +1,5 @@
+"""``python -m megatron_startrail.planning``: the planner's command line."""
+
+from .planner import main
+
+main()
