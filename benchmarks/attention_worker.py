@@ -55,7 +55,7 @@ class ConfigRun:
         self.torch_peer = config.get("impl") == "torch"
         self.groups = None if self.torch_peer else new_startrail_groups(
             team_size=config["team_size"], ulysses_size=config.get("ulysses", 1),
-            backward_rotation=config.get("rotation", "auto"), serial_reverse_send=config.get("serial", False))
+            backward_rotation=config.get("rotation", "auto"))
         self.times, self.phases, self.spans, self.tx_bytes, self.kept, self.peak = [], [], [], 0, 0, 0
 
     def attention(self, q, k, v):

@@ -65,8 +65,7 @@ def predictions(args, rate_mbit: float, configs: list[dict], calibration: dict,
         else:
             out[c["name"]] = 1000 * predict(cluster, work, world, c["team_size"], c["ulysses"], c["transfer"],
                                             c.get("regather", False), halo_exchange=c.get("halo", True),
-                                            rotation=c.get("rotation", "auto"),
-                                            serial_reverse_send=c.get("serial", False)).time_s
+                                            rotation=c.get("rotation", "auto")).time_s
     return out
 
 
@@ -85,17 +84,13 @@ def parse_config(name: str) -> dict:
     """``ring`` | ``startrail-C`` | ``tasp`` | ``ulysses-Ux<ring|startrail-C>`` | ``startrail-C-multiring``,
     each optionally followed by ``-regather`` (``regather_in_backward=True``), ``-nohalo`` (a windowed
     layer through the schedule: ``halo_exchange=False``), ``-rotq`` / ``-rotkv`` (the backward
-    rotation; default: the one that moves fewer bytes) and ``-serial`` (``serial_reverse_send``,
-    last); ``torch-cp`` (PyTorch's ring attention, its
+    rotation; default: the one that moves fewer bytes); ``torch-cp`` (PyTorch's ring attention, its
     default all-gather rotation) | ``torch-cp-alltoall``."""
     if name in ("torch-cp", "torch-cp-alltoall"):
         return {"name": name, "impl": "torch",
                 "rotate_method": "alltoall" if name.endswith("alltoall") else "allgather",
                 "team_size": 1, "ulysses": 1, "transfer": "ring", "regather": False}
     config = {"name": name, "impl": "startrail", "team_size": 1, "ulysses": 1, "transfer": "ring", "regather": False}
-    if name.endswith("-serial"):
-        config["serial"] = True
-        name = name[: -len("-serial")]
     for suffix, rotation in (("-rotq", "q"), ("-rotkv", "kv")):
         if name.endswith(suffix):
             config["rotation"] = rotation

@@ -19,8 +19,7 @@ workspace is not in it). Configurations: ring attention (team size 1) and StarTr
 team size C, with and without ``regather_in_backward``, with the backward rotation ``auto``
 picks, with rotation "q" (streamed per team member, Note [streamed rotation q] in
 ``megatron_startrail/backward.py``; piece by piece where sub-rings have one position, Note
-[piece-major rotation q]) and with "q" and ``serial_reverse_send`` (the same as "q" unless
-sub-rings have one position); by default P = 8 with C = 2 and P = 16 with C = 4.
+[piece-major rotation q]); by default P = 8 with C = 2 and P = 16 with C = 4.
 
 Writes ``OUT.json`` and ``OUT.md``; ``--from-json`` rewrites the table of a saved run.
 """
@@ -55,8 +54,7 @@ def peak_worker(rank, world_size, configs, seq, heads, dim):
     q0, k0, v0, dout = (torch.randn(n, 1, heads, dim, generator=gen) for _ in range(4))
     results = []
     for team_size, regather, rotation in configs:
-        groups = new_startrail_groups(team_size=team_size, backward_rotation=rotation.removesuffix("-serial"),
-                                      serial_reverse_send=rotation.endswith("-serial"))
+        groups = new_startrail_groups(team_size=team_size, backward_rotation=rotation)
 
         def step():
             q, k, v = (t.clone().requires_grad_(True) for t in (q0, k0, v0))
@@ -79,17 +77,14 @@ def peak_worker(rank, world_size, configs, seq, heads, dim):
 
 def name(team_size: int, regather: bool, rotation: str) -> str:
     core = "ring" if team_size == 1 else f"startrail-{team_size}" + ("-regather" if regather else "")
-    if rotation.endswith("-serial"):
-        return f"{core} (rotation {rotation.removesuffix('-serial')}, serial reverse send)"
     return core if rotation == "auto" else f"{core} (rotation {rotation})"
 
 
 def run(world_sizes: list[int], team_sizes: list[int], seq: int, heads: int, dim: int, timeout: float,
-        repeats: int = 1, rotations: tuple[str, ...] = ("auto", "q", "q-serial")) -> list[dict]:
+        repeats: int = 1, rotations: tuple[str, ...] = ("auto", "q")) -> list[dict]:
     """Rows of the table; with ``repeats``, each configuration's peak is the median of that
     many runs (which transfers complete together varies on gloo, and so does the peak).
-    ``rotations``: the backward rotations of the StarTrail configurations ("q-serial": "q"
-    with ``serial_reverse_send``, which changes something on sub-rings of one position only)."""
+    ``rotations``: the backward rotations of the StarTrail configurations."""
     runs = [_run_once(world_sizes, team_sizes, seq, heads, dim, timeout, rotations) for _ in range(repeats)]
     rows = runs[0]
     for index, row in enumerate(rows):
@@ -111,8 +106,7 @@ def _run_once(world_sizes, team_sizes, seq, heads, dim, timeout, rotations) -> l
         shape = AttentionShape(seq // world, 1, heads, heads, dim, 4)
         for index, (team, regather, rotation) in enumerate(configs):
             model = layer_memory_bytes(shape, cp_size=world, team_size=team, regather_in_backward=regather,
-                                       rotation=rotation.removesuffix("-serial"),
-                                       serial_reverse_send=rotation.endswith("-serial"))
+                                       rotation=rotation)
             rows.append({
                 "world_size": world, "config": name(team, regather, rotation), "team_size": team,
                 "regather": regather, "rotation": rotation,

@@ -19,7 +19,7 @@ from .comm import Communicator
 from .initial_send import PieceTransfer, ReverseInitialSend
 from .layout import segment_rows
 from .schedule import rotate
-from .team import StreamedTeamSend, gather_team_and_send, team_segments
+from .team import gather_team_and_send, team_segments
 from .transfer import LaneSplit, sub_ring_lanes
 
 
@@ -52,28 +52,6 @@ def backward_kv(ctx, dout):
     return (dq.to(dtype), *blocks.split_kv(dkv, dqk, dtype))
 
 
-def backward_q(ctx, dout):
-    """The backward with rotation "q" (paper 3.2.1: K, V fixed; Q, dO, out, lse and dQ
-    circulate), streamed member by member (Note [streamed rotation q]); returns ``dq, dk, dv``
-    of this rank (the inputs' dtype)."""
-    groups = ctx.groups
-    comm = Communicator(ctx.bwd_stats, groups.transport, ctx.timeline)
-    if groups.topology.one_position_sub_rings:
-        return _backward_q_piece_major(ctx, comm, dout)
-    if ctx.regather:  # phase 2 again (K, V only: the queries come member by member)
-        q, k, v, out, lse = ctx.saved_tensors
-        _, kv_init = gather_team_and_send(comm, groups, q, k, v, gather_op="regather_team_all_gather",
-                                           send_op="regather_init_send", gather_q=False)
-    else:
-        q, kv_team, out, lse = ctx.saved_tensors
-        kv_init = PieceTransfer.local(kv_team, groups.team_size)
-    dtype, dqk = q.dtype, q.shape[-1]
-    dq, dkv = _sub_ring_backward_q(comm, groups, ctx.docs, ctx.kernel, ctx.transfer, q, dout, out, lse,
-                                   kv_init, causal=ctx.causal, scale=ctx.scale, window=ctx.window)
-    del kv_init
-    return (dq.to(dtype), *blocks.split_kv(dkv, dqk, dtype))
-
-
 def _member_side(comm, groups, own_side: list[torch.Tensor], i: int) -> list[torch.Tensor]:
     """Member ``i``'s ``q, dO, out, lse`` (``own_side`` on member ``i`` itself), team-broadcast
     from it, the four at once."""
@@ -93,7 +71,7 @@ class _ReverseReduce:
     member), so that the team's dK, dV never land here all at once."""
 
     def __init__(self, comm, groups, reverse: ReverseInitialSend) -> None:
-        self._comm, self._groups, self._reverse = comm, groups, reverse
+        self._comm, self._groups, self.reverse = comm, groups, reverse
         self._member = groups.topology.member_of(groups.startrail_rank)
         self._next, self.mine = 0, None
 
@@ -102,12 +80,12 @@ class _ReverseReduce:
         c = self._groups.team_size
         while self._next <= last:
             j = self._next
-            piece = self._comm.reduce(self._reverse.piece(j), self._groups.team_group, c, dst=j,
+            piece = self._comm.reduce(self.reverse.piece(j), self._groups.team_group, c, dst=j,
                                       mine=self._member == j, op="team_reduce")
             if self._member == j:
                 self.mine = piece
             del piece
-            self._reverse.release(j)
+            self.reverse.release(j)
             self._next += 1
 
 
@@ -139,131 +117,97 @@ def _reduce_reverse_pieces(comm, groups, reverse: ReverseInitialSend) -> torch.T
 # at the last step of the last pass.
 
 
-def _sub_ring_backward_q(comm, groups, docs, kernel, transfer, q, dout, out, lse, kv_init: PieceTransfer, *,
-                         causal, scale, window=None):
-    """Note [streamed rotation q]. ``q [n, b, h, dqk]``, ``dout``, ``out [n, b, h, dv]``,
-    ``lse [n, b, h]`` of this rank. Returns this rank's ``dq [n, b, h, dqk]`` (accumulator
-    dtype) and ``dkv [n, b, hkv, dqk + dv]``, this rank's rows of dK, dV summed over the team
-    (the reverse initial send reduced piece by piece, each piece while the next is computed)."""
-    topo, pos, c = groups.topology, groups.startrail_rank, groups.team_size
-    member, n = topo.member_of(pos), q.shape[0]
-    acc_dtype = blocks.acc_dtype(q.dtype)
-    own_side = [q, dout.contiguous(), out, lse]  # [n, b, h, dqk], [n, b, h, dv] x 2, [n, b, h]
-    own_kv_segments = team_segments(groups, docs, topo.kv_team_at_step(pos, 0))
-    dkv_init = kv_init.tensor.new_zeros(kv_init.tensor.shape, dtype=acc_dtype)
-    reverse = ReverseInitialSend(comm, topo, pos, dkv_init, kv_init.bounds)
-    reducer = _ReverseReduce(comm, groups, reverse)
-    lanes = sub_ring_lanes(topo, pos, transfer)
-    dq = None
-    for i in range(c):
-        side = _member_side(comm, groups, own_side, i)
-        # The rows of member i of the team at ``origin`` (Note [documents]: members in order).
-        q_rot = LaneSplit(lanes, n, lambda origin, i=i: segment_rows(
-            team_segments(groups, docs, topo.team_of(origin)), i * n, (i + 1) * n))
-        last = (i == c - 1, len(q_rot.lanes[0].order) - 1)
-
-        def step_q(step, payloads, _rows, q_rot=q_rot, last=last):
-            dqs = [held[0].new_zeros(held[0].shape, dtype=acc_dtype) for held in payloads]
-            for piece, (a, b) in enumerate(kv_init.bounds):  # K, V pieces, as they land (pass 0, step 0)
-                kv, kv_segments = kv_init.piece(piece), segment_rows(own_kv_segments, a, b)
-                for lane_index, (lane, (q_part, dout_part, out_part, lse_rows), dq_part) in enumerate(
-                        zip(q_rot.lanes, payloads, dqs)):
-                    q_segments = q_rot.part_segments(lane.origin(pos, step), lane_index)
-                    blocks.backward_step(kernel, q_part, dout_part, out_part, lse_rows, kv, q_segments, kv_segments,
-                                         dq_part, dkv_init[a:b], causal=causal, scale=scale, window=window,
-                                         max_rows=n)
-                if last == (True, step):
-                    reverse.send(piece)  # these rows of dK, dV are final
-                    reducer.through(piece - 1)  # the previous piece has had a piece's compute to land
-            return [[dq_part] for dq_part in dqs]
-
-        home = rotate(comm, q_rot.lanes, pos, q_rot.split(side), step_q, op="sub_ring", accumulate=True)
-        del side
-        dq_i = q_rot.join([lane_acc[0] for lane_acc in home])  # [n, b, h, dqk]: member i's rows
-        del home
-        if c > 1:
-            dq_i = comm.reduce(dq_i, groups.team_group, c, dst=i, mine=member == i, op="team_reduce")
-        if member == i:
-            dq = dq_i
-        del dq_i
-    reducer.through(c - 1)
-    return dq, reducer.mine
-
-
 # Note [piece-major rotation q]
 # -----------------------------
 # When the sub-ring has one position (P = C^2 StarTrail ranks: G = 1), nothing circulates:
 # each position pairs the team's queries with the C pieces of K, V its initial send
-# delivered. Streaming the queries member by member (Note [streamed rotation q]) still
-# holds all C pieces and their float32 dK, dV (4 C shares of a rank's q with MHA). The
-# loops swap instead: pieces outside, members inside,
+# delivered. Streaming the queries member by member (Note [streamed rotation q]) would still
+# hold all C pieces and their float32 dK, dV (4 C shares of a rank's q with MHA). The
+# same passes run piece by piece instead, pieces outside, members inside:
 #
 #     piece j of K, V (n rows)          kept, or with regathering: team broadcast from
 #                                       member j, sent on to init_send_dst while piece j-1
-#                                       computes (team.StreamedTeamSend)
-#       team broadcast from member i    q_i, dO_i, out_i, lse_i, for i = 0 .. C-1
-#       team reduce to member i         dQ_i of (i, j), added into member i's dQ
-#       dK, dV of piece j accumulate
-#     reverse initial send of piece j   as soon as its C members are done; reduced in the
-#                                       team one piece behind, while piece j+1 computes
-#                                       (serial_reverse_send: before it, so that piece j's
-#                                       buffers are gone first; the transfer, which may
-#                                       cross nodes, is then no longer hidden)
+#                                       computes (team.streamed_team_send, whole=False)
+#       C passes of Note [streamed     q_i, dO_i, out_i, lse_i broadcast from member i, dQ_i
+#       rotation q], on piece j only   of (i, j) reduced to member i, dK, dV of j accumulate
+#     reverse initial send of piece j   as soon as its C passes are done, once piece j-1's
+#                                       dK, dV are reduced in the team (and freed)
 #
-# and each block's dQ is reduced to its member at once, so that one piece of K, V and its
-# dK, dV and one member's dQ are live at a time (with regathering; without, the forward kept
-# the C pieces). What it costs: the query side is broadcast and dQ reduced C times per
-# backward instead of once, (C-1)^2 ((Eq + 2 Eo) e + El a + Eq a) more bytes inside the
-# team (accounting.expected_comm); the inter-node bytes and steps are unchanged.
+# so that one piece of K, V and its dK, dV and one member's dQ are live at a time (with
+# regathering; without, the forward kept the C pieces). What it costs: the query side is
+# broadcast and dQ reduced C times per backward instead of once, (C-1)^2 ((Eq + 2 Eo) e +
+# El a + Eq a) more bytes inside the team (accounting.expected_comm); the inter-node bytes
+# and steps are unchanged.
 
 
-def _backward_q_piece_major(ctx, comm, dout):
-    """Rotation "q" on a sub-ring of one position (Note [piece-major rotation q]); returns
-    ``dq, dk, dv`` of this rank (the inputs' dtype)."""
+def backward_q(ctx, dout):
+    """The backward with rotation "q" (paper 3.2.1: K, V fixed; Q, dO, out, lse and dQ
+    circulate), streamed member by member (Note [streamed rotation q]), and piece by piece
+    on sub-rings of one position (Note [piece-major rotation q]); returns ``dq, dk, dv`` of
+    this rank (the inputs' dtype)."""
     groups, docs = ctx.groups, ctx.docs
+    comm = Communicator(ctx.bwd_stats, groups.transport, ctx.timeline)
     topo, pos, c = groups.topology, groups.startrail_rank, groups.team_size
-    if ctx.regather:
+    piece_major = topo.one_position_sub_rings
+    if ctx.regather:  # phase 2 again (K, V only: the queries come member by member)
         q, k, v, out, lse = ctx.saved_tensors
-        # Phase 2 again, one piece at a time, each freed once its members are done.
-        kv_pieces = StreamedTeamSend(comm, groups, k, v, gather_op="regather_team_all_gather",
-                                     send_op="regather_init_send", whole=False)
+        _, kv_init = gather_team_and_send(comm, groups, q, k, v, gather_op="regather_team_all_gather",
+                                           send_op="regather_init_send", gather_q=False, whole=not piece_major)
     else:
         q, kv_team, out, lse = ctx.saved_tensors
-        kv_pieces = PieceTransfer.local(kv_team, c)
+        kv_init = PieceTransfer.local(kv_team, c)
     member, n, dtype, dqk = topo.member_of(pos), q.shape[0], q.dtype, q.shape[-1]
     acc_dtype = blocks.acc_dtype(dtype)
     own_side = [q, dout.contiguous(), out, lse]  # [n, b, h, dqk], [n, b, h, dv] x 2, [n, b, h]
-    team_rows = team_segments(groups, docs, topo.team_of(pos))
-    kv_rows = team_segments(groups, docs, topo.kv_team_at_step(pos, 0))
-    reverse = ReverseInitialSend(comm, topo, pos, None, kv_pieces.bounds)
-    reducer = _ReverseReduce(comm, groups, reverse)
-    dq = q.new_zeros(q.shape, dtype=acc_dtype)  # [n, b, h, dqk]: this member's, summed over the team
-    serial = groups.config.serial_reverse_send
-    for j, (a, b) in enumerate(kv_pieces.bounds):
-        if serial:  # the previous piece's dK, dV home (and freed) before this piece computes
-            reducer.through(j - 1)
-        kv = kv_pieces.piece(j)  # [n, b, hkv, dqk + dv]
-        dkv = kv.new_zeros(kv.shape, dtype=acc_dtype)
+    kv_segments = team_segments(groups, docs, topo.kv_team_at_step(pos, 0))
+    reducer = _ReverseReduce(comm, groups, ReverseInitialSend(comm, topo, pos, None, kv_init.bounds))
+    lanes = sub_ring_lanes(topo, pos, ctx.transfer)
+    dkv: dict[int, torch.Tensor] = {}  # piece j's dK, dV [n, b, hkv, dqk + dv], until it is sent back
+
+    def send_back(j: int) -> None:  # piece j's rows of dK, dV are final
+        kv_init.release(j)
+        reducer.through(j - 1)  # the previous piece has had this one's compute to land
+        reducer.reverse.send(j, dkv.pop(j))  # its landing made once the previous one is freed
+
+    dq = None
+    for pieces in ([[j] for j in range(c)] if piece_major else [list(range(c))]):
+        first = kv_init.piece(pieces[0])  # [n, b, hkv, dqk + dv], landed before the round's passes
+        dkv.update((j, first.new_zeros(first.shape, dtype=acc_dtype)) for j in pieces)
+        del first
         for i in range(c):
             side = _member_side(comm, groups, own_side, i)
-            dq_part = q.new_zeros(q.shape, dtype=acc_dtype)
-            blocks.backward_step(ctx.kernel, *side, kv, segment_rows(team_rows, i * n, (i + 1) * n),
-                                 segment_rows(kv_rows, a, b), dq_part, dkv, causal=ctx.causal, scale=ctx.scale,
-                                 window=ctx.window, max_rows=n)
+            # The rows of member i of the team at ``origin`` (Note [documents]: members in order).
+            q_rot = LaneSplit(lanes, n, lambda origin, i=i: segment_rows(
+                team_segments(groups, docs, topo.team_of(origin)), i * n, (i + 1) * n))
+            final = (i == c - 1, len(q_rot.lanes[0].order) - 1)  # the last pass's last step
+
+            def step_q(step, payloads, _rows, q_rot=q_rot, pieces=pieces, final=final):
+                dqs = [held[0].new_zeros(held[0].shape, dtype=acc_dtype) for held in payloads]
+                for j in pieces:  # K, V pieces, as they land (the first pass's step 0)
+                    kv, (a, b) = kv_init.piece(j), kv_init.bounds[j]
+                    for lane_index, (lane, (q_part, dout_part, out_part, lse_rows), dq_part) in enumerate(
+                            zip(q_rot.lanes, payloads, dqs)):
+                        q_segments = q_rot.part_segments(lane.origin(pos, step), lane_index)
+                        blocks.backward_step(ctx.kernel, q_part, dout_part, out_part, lse_rows, kv, q_segments,
+                                             segment_rows(kv_segments, a, b), dq_part, dkv[j], causal=ctx.causal,
+                                             scale=ctx.scale, window=ctx.window, max_rows=n)
+                    del kv
+                    if final == (True, step) and j != pieces[-1]:
+                        send_back(j)  # flies while the round's later pieces compute
+                return [[dq_part] for dq_part in dqs]
+
+            home = rotate(comm, q_rot.lanes, pos, q_rot.split(side), step_q, op="sub_ring", accumulate=True)
             del side
-            # Reduced to member i at once: one member's dQ buffer live, not C of them.
-            dq_part = comm.reduce(dq_part, groups.team_group, c, dst=i, mine=member == i, op="team_reduce")
+            dq_i = q_rot.join([lane_acc[0] for lane_acc in home])  # [n, b, h, dqk]: member i's rows
+            del home
+            if c > 1:  # reduced to member i at once: one member's dQ buffer live, not C of them
+                dq_i = comm.reduce(dq_i, groups.team_group, c, dst=i, mine=member == i, op="team_reduce")
             if member == i:
-                dq.add_(dq_part)
-            del dq_part
-        kv_pieces.release(j)
-        del kv
-        reducer.through(j - 1)  # the previous piece has had this piece's compute to land
-        reverse.send(j, dkv)  # after: its landing buffer is made once the previous one is freed
-        del dkv
+                dq = dq_i if dq is None else dq.add_(dq_i)
+            del dq_i
+        send_back(pieces[-1])  # after the last pass's dQ is reduced: its buffers are gone first
     reducer.through(c - 1)
-    dkv = reducer.mine
-    return (dq.to(dtype), *blocks.split_kv(dkv, dqk, dtype))
+    return (dq.to(dtype), *blocks.split_kv(reducer.mine, dqk, dtype))
 
 
 # -- the backward's own phases (rotation "kv") ------------------------------------------------

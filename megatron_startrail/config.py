@@ -28,10 +28,6 @@ class StarTrailConfig:
     transfer: str = "ring"  # the sub-ring, or TASP's multi-ring [--startrail-transfer; tasp: multiring]
     regather_in_backward: bool = False  # keep ring attention's tensors only [--startrail-regather-in-backward]
     kernel: str = "auto"  # block kernel [--startrail-kernel]
-    # Sub-rings of one position, rotation "q" (Note [piece-major rotation q]): each piece's
-    # dK, dV come home before the next piece computes -- a lower peak, the reverse send no
-    # longer hidden behind compute [--startrail-serial-reverse-send]
-    serial_reverse_send: bool = False
     # Deterministic block-kernel backward where the kernel has a switch for it (flash-attn);
     # PyTorch's own ops follow torch.use_deterministic_algorithms, which the flag sets
     # [--deterministic-mode]
@@ -48,7 +44,6 @@ class StarTrailConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} ({flag}) is not one of {allowed}")
         for name, flag in (("regather_in_backward", "--startrail-regather-in-backward"),
-                           ("serial_reverse_send", "--startrail-serial-reverse-send"),
                            ("deterministic", "--deterministic-mode")):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} ({flag}) must be a bool")

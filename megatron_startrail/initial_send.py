@@ -18,26 +18,41 @@ from .topology import StarTrailTopology
 
 
 class PieceTransfer:
-    """A ``[C*n, ...]`` tensor landing in row pieces: rows ``bounds[j]`` of ``tensor`` are
-    here once ``landed[j]`` completes (``None``: already here)."""
+    """Row pieces of a ``[C*n, ...]`` payload landing one by one (the one landing class: the
+    initial send, its streamed form in :func:`~megatron_startrail.team.streamed_team_send`,
+    and a tensor already here). ``post_piece(j)`` starts piece ``j`` and returns ``(pending,
+    landing)``: ``landing`` holds rows ``bounds[j]`` once ``pending.wait()`` returns
+    (``pending`` None: already). Pieces are posted in order, every piece up to ``j + ahead``
+    before piece ``j`` is waited for -- the same sequence on every rank, as NCCL matches by
+    it. ``tensor`` is the whole landing when the pieces are rows of one tensor (else None)."""
 
-    def __init__(self, tensor: torch.Tensor, bounds: list[tuple[int, int]], landed: list[PendingP2P | None]):
-        self.tensor, self.bounds, self.landed = tensor, bounds, landed
+    def __init__(self, bounds: list[tuple[int, int]], post_piece, *, ahead: int, tensor: torch.Tensor | None = None):
+        self.bounds, self.tensor = bounds, tensor
+        self._post_piece, self._ahead = post_piece, ahead
+        self._posted: list[tuple[PendingP2P | None, torch.Tensor | None]] = []
+        self._post_through(ahead - 1)
 
     @classmethod
     def local(cls, tensor: torch.Tensor, pieces: int) -> PieceTransfer:
         """A tensor already here, cut into the same pieces as a transfer of it would be."""
-        return cls(tensor, split_rows(tensor.shape[0], pieces), [None] * pieces)
+        bounds = split_rows(tensor.shape[0], pieces)
+        return cls(bounds, lambda j: (None, tensor[bounds[j][0]:bounds[j][1]]), ahead=pieces, tensor=tensor)
+
+    def _post_through(self, last: int) -> None:
+        while len(self._posted) <= min(last, len(self.bounds) - 1):
+            self._posted.append(self._post_piece(len(self._posted)))
 
     def piece(self, j: int) -> torch.Tensor:
-        """Rows of piece ``j``, once landed (a view)."""
-        if self.landed[j] is not None:
-            self.landed[j].wait()
-        a, b = self.bounds[j]
-        return self.tensor[a:b]
+        """Rows of piece ``j``, once landed."""
+        self._post_through(j + self._ahead)
+        pending, landing = self._posted[j]
+        if pending is not None:
+            pending.wait()
+        return landing
 
     def release(self, j: int) -> None:
-        """Piece ``j`` is done with: nothing to free (the pieces are views of one tensor)."""
+        """Piece ``j`` is done with: its landing buffer may go (a separate one per piece)."""
+        self._posted[j] = (self._posted[j][0], None)
 
     def wait(self) -> torch.Tensor:
         for j in range(len(self.bounds)):
@@ -55,11 +70,13 @@ def post_initial_send(comm: Communicator, topo: StarTrailTopology, pos: int, kv_
         return PieceTransfer.local(kv_team, c)
     kv_init = torch.empty_like(kv_team)
     bounds = split_rows(kv_team.shape[0], c)
-    landed = [
-        comm.post([(kv_team[a:b], dst)], [(kv_init[a:b], src)], op=op, channel="side", counts_as_step=j == 0)
-        for j, (a, b) in enumerate(bounds)
-    ]
-    return PieceTransfer(kv_init, bounds, landed)
+
+    def post_piece(j: int):
+        a, b = bounds[j]
+        return comm.post([(kv_team[a:b], dst)], [(kv_init[a:b], src)], op=op, channel="side",
+                         counts_as_step=j == 0), kv_init[a:b]
+
+    return PieceTransfer(bounds, post_piece, ahead=c, tensor=kv_init)  # all C posted at once
 
 
 class ReverseInitialSend:

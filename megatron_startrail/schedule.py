@@ -65,11 +65,11 @@ class Lane:
 @dataclass(frozen=True)
 class Piece:
     """Rows of the step-0 payload that land together: rows ``rows[k] = (a, b)`` of every
-    tensor of lane ``k`` (``a == b``: none of that lane). ``landed`` completes when they are
+    tensor of lane ``k`` (``a == b``: none of that lane). ``landed()`` returns once they are
     here (``None``: they already are)."""
 
     rows: tuple[tuple[int, int], ...]
-    landed: PendingP2P | None = None
+    landed: Callable[[], object] | None = None
 
 
 def _whole(payloads: Payloads) -> list[Piece]:
@@ -147,7 +147,7 @@ def rotate(
         step_pieces = pieces if step == 0 and pieces is not None else _whole(payloads)
         for index, piece in enumerate(step_pieces):
             if piece.landed is not None:
-                piece.landed.wait()
+                piece.landed()
             held = _rows(payloads, piece.rows)
             if incoming is not None:
                 # The pieces of one hop are one round. With accumulators the gradient chain

@@ -10,6 +10,8 @@ of one. Bytes per rank and sequential steps are unchanged; per-link bytes drop b
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .config import TRANSFERS  # noqa: F401 - the choices, defined with the config
@@ -54,8 +56,9 @@ class LaneSplit:
         """The pieces of ``arriving`` (rows of the whole payload) as rows of every lane's part."""
         parts = split_rows(self.rows, len(self.lanes))
         return [
-            Piece(tuple((min(max(a, la), lb) - la, min(max(b, la), lb) - la) for la, lb in parts), landed)
-            for (a, b), landed in zip(arriving.bounds, arriving.landed)
+            Piece(tuple((min(max(a, la), lb) - la, min(max(b, la), lb) - la) for la, lb in parts),
+                  functools.partial(arriving.piece, j))
+            for j, (a, b) in enumerate(arriving.bounds)
         ]
 
     def split(self, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:

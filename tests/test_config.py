@@ -32,8 +32,6 @@ def test_it_is_frozen_and_compares_by_value():
     assert hash(config) == hash(StarTrailConfig(2, 1, "auto", "multiring", True, "auto"))
     with pytest.raises(ValueError, match="regather_in_backward.*--startrail-regather-in-backward"):
         StarTrailConfig(regather_in_backward="yes")
-    with pytest.raises(ValueError, match="serial_reverse_send.*--startrail-serial-reverse-send"):
-        StarTrailConfig(serial_reverse_send=1)
 
 
 def test_the_runtime_does_not_import_the_planning_tools():

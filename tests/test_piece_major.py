@@ -1,8 +1,7 @@
 """Rotation "q" on sub-rings of one position (G = 1: P = 4 with C = 2, P = 16 with C = 4)
 runs piece-major (Note [piece-major rotation q] in megatron_startrail/backward.py): pieces
 of K, V outside, the team's query side broadcast inside, and with regathering the
-initial send streamed piece by piece (team.StreamedTeamSend); with ``serial_reverse_send``
-each piece's dK, dV home before the next piece computes.
+initial send streamed piece by piece (team.streamed_team_send, a buffer per piece).
 
 Against float64 attention: MHA, GQA and MQA with MLA head dims, causal and not, a window
 longer than a chunk, packed documents in both layouts; regathering on and off gives
@@ -33,10 +32,10 @@ def comm_failures(groups, world_size, shape, regather, case):
     return failures
 
 
-def piece_major_worker(rank, world_size, team_size, serial):
+def piece_major_worker(rank, world_size, team_size):
     torch.use_deterministic_algorithms(True)
     torch.utils.deterministic.fill_uninitialized_memory = True  # NaN-poisoned empty memory
-    groups = new_startrail_groups(team_size=team_size, backward_rotation="q", serial_reverse_send=serial)
+    groups = new_startrail_groups(team_size=team_size, backward_rotation="q")
     assert groups.topology.sub_ring_size == 1
     failures, checked = [], 0
     seq = 2 * world_size * CHUNK
@@ -86,9 +85,9 @@ def piece_major_worker(rank, world_size, team_size, serial):
     return failures, checked
 
 
-@pytest.mark.parametrize("world_size, team_size, serial", [(4, 2, False), (4, 2, True), (16, 4, False)])
-def test_piece_major_rotation_q_matches_float64_and_closed_form_comm(world_size, team_size, serial):
-    results = run_ranks(piece_major_worker, world_size, args=(team_size, serial), timeout=600)
+@pytest.mark.parametrize("world_size, team_size", [(4, 2), (16, 4)])
+def test_piece_major_rotation_q_matches_float64_and_closed_form_comm(world_size, team_size):
+    results = run_ranks(piece_major_worker, world_size, args=(team_size,), timeout=600)
     failures = sorted({f for fails, _ in results for f in fails})
     assert not failures, "\n".join(failures[:40])
     assert all(n == 2 * (len(HEAD_CASES) + 1) + 4 for _, n in results)

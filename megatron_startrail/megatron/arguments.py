@@ -83,20 +83,13 @@ def add_startrail_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "activation memory for one more team all-gather (inside a node) and initial send per layer.",
     )
     group.add_argument(
-        "--startrail-serial-reverse-send", action="store_true",
-        help="With one position per StarTrail sub-ring (CP / U = team size squared) and backward "
-        "rotation q: bring each piece's dK, dV home before the next piece computes: a lower peak of "
-        "activation memory, the reverse initial send (which may cross nodes) no longer hidden "
-        "behind compute. --startrail-memory-limit-gb switches it on where only that fits.",
-    )
-    group.add_argument(
         "--startrail-memory-limit-gb", type=float, default=None, metavar="GB",
         help="Per-rank limit (1e9 bytes) for the attention layers of a pipeline stage: what they keep for "
         "the backward of ONE micro-batch plus one layer's transient buffers while it runs (with 1F1B a "
         "stage holds up to --pipeline-model-parallel-size micro-batches: divide your budget "
         "accordingly): --startrail-team-size auto leaves out team sizes over it; where only that makes "
-        "a team size fit, the streamed backward rotation q (if --startrail-backward-rotation is auto), "
-        "--startrail-serial-reverse-send and then regathering in the backward are switched on.",
+        "a team size fit, the streamed backward rotation q (if --startrail-backward-rotation is auto) "
+        "and then regathering in the backward are switched on.",
     )
     _escape_stray_percent(parser)
     return parser
@@ -272,8 +265,6 @@ def _auto_plan(args, heads: int, kv_heads: int) -> None:
     args.startrail_team_size = best.team_size
     args.startrail_regather_in_backward = getattr(args, "startrail_regather_in_backward", False) or \
         best.regather_in_backward
-    args.startrail_serial_reverse_send = getattr(args, "startrail_serial_reverse_send", False) or \
-        best.serial_reverse_send
     if best.rotation != "auto":  # the streamed rotation "q" is what made it fit
         args.startrail_backward_rotation = best.rotation
 
@@ -292,27 +283,24 @@ def _fit_memory_limit(args, heads: int, kv_heads: int) -> None:
             args.context_parallel_size // args.ulysses_degree_in_cp):
         return  # the team-size check below names the problem
 
-    def peak(regather: bool, rotation: str, serial: bool = False) -> int:
+    def peak(regather: bool, rotation: str) -> int:
         return activation_peak_bytes(shape, layers=inputs["layers"], cp_size=args.context_parallel_size,
                                      team_size=c, ulysses_size=args.ulysses_degree_in_cp,
-                                     regather_in_backward=regather, rotation=rotation, serial_reverse_send=serial)
+                                     regather_in_backward=regather, rotation=rotation)
 
-    # As given; else the streamed rotation "q" (if the rotation was left to auto); else its
-    # serial reverse send (where that lowers the peak); else regathering; else both.
+    # As given; else the streamed rotation "q" (if the rotation was left to auto); else
+    # regathering; else both.
     given = getattr(args, "startrail_backward_rotation", "auto")
     rotations = ("auto", "q") if given == "auto" else (given,)
     regathers = (True,) if args.startrail_regather_in_backward else (False, True)
-    serials = (True,) if getattr(args, "startrail_serial_reverse_send", False) else (False, True)
     for regather in regathers:
         for rotation in rotations:
-            for serial in serials:
-                if peak(regather, rotation, serial) <= limit:
-                    args.startrail_regather_in_backward = regather
-                    args.startrail_serial_reverse_send = serial  # (False is tried first unless asked for)
-                    if rotation != "auto":
-                        args.startrail_backward_rotation = rotation
-                    return
-    least = min(peak(True, r, True) for r in rotations)
+            if peak(regather, rotation) <= limit:
+                args.startrail_regather_in_backward = regather
+                if rotation != "auto":
+                    args.startrail_backward_rotation = rotation
+                return
+    least = min(peak(True, r) for r in rotations)
     raise ValueError(
         f"--startrail-team-size {c} peaks at {least / 1e9:.3g} GB per rank in the attention of "
         f"{inputs['layers']} layers even with --startrail-regather-in-backward"

@@ -10,8 +10,8 @@ here, and neither caller can forget one (the patch once silently dropped
 ``--startrail-regather-in-backward`` because it listed the flags itself).
 
 Flags read (:func:`config_from_args`): ``--startrail-team-size``, ``--ulysses-degree-in-cp``,
-``--startrail-backward-rotation``, ``--startrail-transfer``, ``--startrail-regather-in-backward``,
-``--startrail-kernel`` and ``--startrail-serial-reverse-send`` become one
+``--startrail-backward-rotation``, ``--startrail-transfer``, ``--startrail-regather-in-backward``
+and ``--startrail-kernel`` become one
 :class:`~megatron_startrail.config.StarTrailConfig`, which the StarTrail groups carry to the
 core attention; Megatron's rank order
 (``--use-tp-pp-dp-mapping``), ``--distributed-timeout-minutes`` and
@@ -76,7 +76,7 @@ def startrail_groups_from_args(args) -> StarTrailGroups:
             config = groups.config
             print(f"> {args.context_parallel_algo}: {groups.describe()}, transfer {config.transfer}, "
                   f"regather in backward {'on' if config.regather_in_backward else 'off'}, backward rotation "
-                  f"{config.backward_rotation}{', serial reverse send' if config.serial_reverse_send else ''}, "
+                  f"{config.backward_rotation}, "
                   f"kernel {config.kernel}", flush=True)
     return _built[2]
 
@@ -87,7 +87,6 @@ def config_from_args(args) -> StarTrailConfig:
         team_size=args.startrail_team_size, ulysses_size=args.ulysses_degree_in_cp,
         backward_rotation=args.startrail_backward_rotation, transfer=args.startrail_transfer,
         regather_in_backward=bool(args.startrail_regather_in_backward), kernel=args.startrail_kernel,
-        serial_reverse_send=bool(args.startrail_serial_reverse_send),
         deterministic=bool(getattr(args, "deterministic_mode", False)),
     )
 

@@ -25,7 +25,7 @@ and dO are not), at the moment its phase holds the most (docs/design.md, "Memory
     G = 1 (piece-major)          + the most, over pieces j, of [regathered] (1 + [j<C-1](1 +
                                  init)) Ekv e (pieces of K, V) + (1 + [j>=1](1 + init) +
                                  [j>=2]) Ekv a (dK|dV: piece j's, [the previous one's sent and
-                                 back], own rows; serial_reverse_send: 1 + [j>=1])
+                                 back], own rows)
     both                         + kernel tile
 
 "held" is a second copy of the circulating payload once it has moved (``G > 1``), two
@@ -43,7 +43,7 @@ from ..topology import StarTrailTopology
 
 def layer_memory_bytes(shape: AttentionShape, *, cp_size: int, team_size: int, ulysses_size: int = 1,
                        startrail_rank: int = 1, rotation: str = "auto",
-                       regather_in_backward: bool = False, serial_reverse_send: bool = False) -> dict[str, int]:
+                       regather_in_backward: bool = False) -> dict[str, int]:
     """``{"kept", "forward_peak", "backward_peak", "peak"}``: bytes one rank's attention keeps
     for its backward, and the most it holds live during its forward and its backward (the
     kept bytes included; the caller's inputs not)."""
@@ -91,8 +91,8 @@ def layer_memory_bytes(shape: AttentionShape, *, cp_size: int, team_size: int, u
             def pieces(j: int) -> int:
                 kv = (1 + (j < c - 1) * (1 + init)) * ekv * e if regathers else 0
                 # the previous piece still on its way back; this rank's own rows, once reduced
-                in_flight = 0 if serial_reverse_send else (j >= 1) * (1 + init)
-                own_rows = j >= (1 if serial_reverse_send else 2)
+                in_flight = (j >= 1) * (1 + init)
+                own_rows = j >= 2
                 return kv + (1 + in_flight + own_rows) * ekv * a
 
             backward = ulysses + kept + max(pieces(j) for j in range(c)) + side + 2 * eq * a
@@ -105,8 +105,7 @@ def layer_memory_bytes(shape: AttentionShape, *, cp_size: int, team_size: int, u
 
 
 def activation_peak_bytes(shape: AttentionShape, *, layers: int, cp_size: int, team_size: int,
-                          ulysses_size: int = 1, regather_in_backward: bool = False, rotation: str = "auto",
-                          serial_reverse_send: bool = False) -> int:
+                          ulysses_size: int = 1, regather_in_backward: bool = False, rotation: str = "auto") -> int:
     """Per rank, the peak of ``layers`` attention layers of one micro-batch: what each keeps
     for the backward (:func:`~megatron_startrail.accounting.kept_for_backward_bytes`, its
     inputs included) plus what one layer holds beyond that while it runs (only one layer's
@@ -114,6 +113,5 @@ def activation_peak_bytes(shape: AttentionShape, *, layers: int, cp_size: int, t
     kept = kept_for_backward_bytes(shape, ulysses_size=ulysses_size, team_size=team_size,
                                    regather_in_backward=regather_in_backward, rotation=rotation)
     layer = layer_memory_bytes(shape, cp_size=cp_size, team_size=team_size, ulysses_size=ulysses_size,
-                               regather_in_backward=regather_in_backward, rotation=rotation,
-                               serial_reverse_send=serial_reverse_send)
+                               regather_in_backward=regather_in_backward, rotation=rotation)
     return layers * kept + layer["peak"] - layer["kept"]

@@ -118,7 +118,6 @@ class Prediction:
     # ... plus, at the peak, one layer's forward or backward buffers (memory_model.py)
     peak_bytes: int = 0
     rotation: str = "auto"  # the backward rotation asked for ("q": streamed, the lowest peak)
-    serial_reverse_send: bool = False  # piece-major "q": each piece's dK, dV home before the next
 
     @property
     def name(self) -> str:
@@ -130,8 +129,6 @@ class Prediction:
             core += "-regather"
         if self.rotation != "auto":
             core += f"-rot{self.rotation}"
-        if self.serial_reverse_send:
-            core += "-serial"
         return core if self.ulysses_size == 1 else f"ulysses-{self.ulysses_size}x{core}"
 
 
@@ -143,7 +140,7 @@ def overlapped_steps(overlap: float, compute: list[float], transfer: list[float]
 
 def predict(cluster: ClusterSpec, work: Workload, cp_size: int, team_size: int, ulysses_size: int = 1,
             transfer: str = "ring", regather_in_backward: bool = False, *, halo_exchange: bool = True,
-            rotation: str = "auto", serial_reverse_send: bool = False) -> Prediction:
+            rotation: str = "auto") -> Prediction:
     """Predicted forward+backward time of one attention layer on one CP group, and the
     bytes ``work.layers`` such layers keep for backward on one rank. With ``work.window``:
     time, compute and inter-node bytes are the mean per layer over the mix of windowed and
@@ -152,7 +149,7 @@ def predict(cluster: ClusterSpec, work: Workload, cp_size: int, team_size: int, 
     args = (cp_size, team_size, ulysses_size, transfer, regather_in_backward)
     if work.window is not None and normalize_window(work.window, work.causal) is None:
         work = dataclasses.replace(work, window=None)  # a window that bounds nothing (startrail_attn's rule)
-    schedule = dict(rotation=rotation, serial_reverse_send=serial_reverse_send)
+    schedule = dict(rotation=rotation)
     if work.window is None:
         return _schedule_layer(cluster, work, *args, **schedule)
     windowed, full = window_layers(work.layers, work.window_skip_freq)
@@ -215,7 +212,7 @@ def _ulysses_and_team_phases(cluster, shape, teams, ulysses_groups, c, regather_
 
 
 def _with_pieces(total, cluster, c, g, init_send_s, reverse_s, fwd_step_s, bwd_step_s, regather_in_backward,
-                 rotation, serial) -> float:
+                 rotation) -> float:
     """``total`` seconds with what the C-piece transfers change: what each piece hides behind the
     step that attends it, the streamed rotation q's extra rounds, one latency per piece message."""
 
@@ -226,7 +223,7 @@ def _with_pieces(total, cluster, c, g, init_send_s, reverse_s, fwd_step_s, bwd_s
     total -= pipelined(init_send_s, fwd_step_s)
     if regather_in_backward:
         total -= pipelined(init_send_s, bwd_step_s)
-    if rotation == "q" and not serial:  # dK, dV go back piece by piece during the last step
+    if rotation == "q":  # dK, dV go back piece by piece during the last step (or pass, piece-major)
         total -= pipelined(reverse_s, bwd_step_s)
         # Note [streamed rotation q]: C passes of the sub-ring, one member's rows each: the
         # same bytes, C times the sequential rounds (each one latency more).
@@ -239,7 +236,7 @@ def _with_pieces(total, cluster, c, g, init_send_s, reverse_s, fwd_step_s, bwd_s
 
 def _schedule_layer(cluster: ClusterSpec, work: Workload, cp_size: int, team_size: int, ulysses_size: int = 1,
                     transfer: str = "ring", regather_in_backward: bool = False, *,
-                    rotation: str = "auto", serial_reverse_send: bool = False) -> Prediction:
+                    rotation: str = "auto") -> Prediction:
     """One layer through the StarTrail schedule (compute from :meth:`Workload.attention_flops`,
     windowed with ``work.window``: the window skips blocks, never transfers; the model
     spreads its compute evenly over the steps)."""
@@ -306,31 +303,26 @@ def _schedule_layer(cluster: ClusterSpec, work: Workload, cp_size: int, team_siz
     else:
         phases.append(reverse)
     total += sum(t for t, _ in phases)
-    serial = serial_reverse_send and rotation == "q" and topo.one_position_sub_rings
     total = _with_pieces(total, cluster, c, g, init_fwd[0][0], reverse[0], compute_fwd / g, compute_bwd / g,
-                         regather_in_backward, rotation, serial)
+                         regather_in_backward, rotation)
     compute = compute_fwd + compute_bwd
     kept = work.layers * kept_for_backward_bytes(shape, ulysses_size=u, team_size=c,
                                                  regather_in_backward=regather_in_backward, rotation=rotation)
     peak = activation_peak_bytes(shape, layers=work.layers, cp_size=cp_size, team_size=c, ulysses_size=u,
-                                 regather_in_backward=regather_in_backward, rotation=rotation,
-                                 serial_reverse_send=serial)
+                                 regather_in_backward=regather_in_backward, rotation=rotation)
     return Prediction(u, c, transfer, total, compute, max(0.0, total - compute), sum(b for _, b in phases),
-                      regather_in_backward and c > 1, kept, peak, serial_reverse_send=serial)
+                      regather_in_backward and c > 1, kept, peak)
 
 
 def _fitting(cluster, work, cp_size, c, u, transfer, memory_limit_bytes,
              rotations=("auto", "q")) -> Prediction | None:
     """The prediction for (U, C, transfer) within the memory limit: as it is if that fits,
     else with the backward rotation "q" (streamed: a lower peak, the same bytes), else
-    with its reverse send serial (sub-rings of one position: a lower peak, the reverse send
-    no longer hidden), else regathering (ring attention keeps the same either way), else
-    both; else None."""
-    options = [(regather, r, serial) for regather in ((False, True) if c > 1 else (False,))
-               for r in rotations for serial in (False, True)]
-    for regather, rotation, serial in options:
-        pred = dataclasses.replace(predict(cluster, work, cp_size, c, u, transfer, regather, rotation=rotation,
-                                           serial_reverse_send=serial), rotation=rotation)
+    regathering (ring attention keeps the same either way), else both; else None."""
+    options = [(regather, r) for regather in ((False, True) if c > 1 else (False,)) for r in rotations]
+    for regather, rotation in options:
+        pred = dataclasses.replace(predict(cluster, work, cp_size, c, u, transfer, regather, rotation=rotation),
+                                   rotation=rotation)
         if memory_limit_bytes is None or pred.peak_bytes <= memory_limit_bytes:
             return pred
     return None

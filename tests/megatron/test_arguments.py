@@ -55,8 +55,7 @@ def test_auto_team_size_asks_the_planner_with_the_flags_values(monkeypatch):
 
     def spy(**inputs):
         asked.update(inputs)
-        return types.SimpleNamespace(team_size=4, regather_in_backward=True, rotation="q",
-                                     serial_reverse_send=True)  # none is a default
+        return types.SimpleNamespace(team_size=4, regather_in_backward=True, rotation="q")  # none is a default
 
     monkeypatch.setattr("megatron_startrail.planning.planner.choose_plan", spy)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
@@ -79,8 +78,8 @@ def test_auto_team_size_asks_the_planner_with_the_flags_values(monkeypatch):
         memory_limit_bytes=None,
         backward_rotation="auto",  # --startrail-backward-rotation: left to the planner
     )
-    assert (args.startrail_team_size, args.startrail_regather_in_backward, args.startrail_backward_rotation,
-            args.startrail_serial_reverse_send) == (4, True, "q", True)
+    assert (args.startrail_team_size, args.startrail_regather_in_backward,
+            args.startrail_backward_rotation) == (4, True, "q")
 
 
 def test_memory_limit_turns_on_the_streamed_rotation_or_regathering_when_only_that_fits(monkeypatch):
@@ -122,39 +121,6 @@ def test_memory_limit_turns_on_the_streamed_rotation_or_regathering_when_only_th
                  "--seq-length", "4096", "--max-position-embeddings", "4096", "--num-layers", "8")
     validate_startrail_args(args)  # auto: whatever C it picks fits
     assert peak(args.startrail_team_size, *settings(args)) <= peak(2, True) + 16
-
-
-def test_memory_limit_turns_on_the_serial_reverse_send_where_only_that_fits(monkeypatch):
-    # CP 16, C = 4: sub-rings of one position, where rotation "q" runs piece by piece and
-    # --startrail-serial-reverse-send lowers its peak (Note [piece-major rotation q]).
-    from megatron_startrail.accounting import AttentionShape  # noqa: PLC0415
-    from megatron_startrail.megatron.from_args import config_from_args  # noqa: PLC0415
-    from megatron_startrail.planning.memory_model import activation_peak_bytes  # noqa: PLC0415
-
-    flags = ["--context-parallel-size", "16", "--context-parallel-algo", "startrail", "--startrail-team-size", "4",
-             "--seq-length", "4096", "--max-position-embeddings", "4096", "--num-layers", "8"]
-    shape = AttentionShape(4096 // 16, 1, 8, 8, 8, 4)
-
-    def peak(regather, serial):
-        return activation_peak_bytes(shape, layers=8, cp_size=16, team_size=4, regather_in_backward=regather,
-                                     rotation="q", serial_reverse_send=serial)
-
-    assert peak(False, True) < peak(False, False) and peak(True, True) < peak(True, False)
-    args = parse(monkeypatch, *flags, "--startrail-memory-limit-gb", str((peak(False, True) + 16) / 1e9))
-    validate_startrail_args(args)
-    config = config_from_args(args)
-    assert (config.backward_rotation, config.serial_reverse_send, config.regather_in_backward) == ("q", True, False)
-    args = parse(monkeypatch, *flags, "--startrail-memory-limit-gb", str((peak(False, False) + 16) / 1e9))
-    validate_startrail_args(args)
-    assert (args.startrail_backward_rotation, args.startrail_serial_reverse_send) == ("q", False)
-    args = parse(monkeypatch, *flags, "--startrail-serial-reverse-send")
-    validate_startrail_args(args)
-    assert config_from_args(args).serial_reverse_send
-    # Asked for, it stays on under a limit that would have fitted without it too.
-    args = parse(monkeypatch, *flags, "--startrail-serial-reverse-send", "--startrail-memory-limit-gb",
-                 str((peak(False, False) + 16) / 1e9))
-    validate_startrail_args(args)
-    assert config_from_args(args).serial_reverse_send
 
 
 @pytest.mark.parametrize(
