@@ -63,11 +63,8 @@ def _sub_ring_forward(comm, groups, docs, kernel, transfer, q_team, kv_init: Pie
     sub-ring, step 0 attending to each piece of the initial send as it lands; returns the
     partial ``acc_out [b, h, C*n, dv]``, ``acc_lse [b, h, C*n]``."""
     topo, pos = groups.topology, groups.startrail_rank
-    rows, b, h = q_team.shape[:3]
-    dv = kv_init.tensor.shape[-1] - q_team.shape[-1]
-    acc_dtype = blocks.acc_dtype(q_team.dtype)
-    acc_out = q_team.new_zeros((b, h, rows, dv), dtype=acc_dtype)
-    acc_lse = q_team.new_full((b, h, rows), float("-inf"), dtype=acc_dtype)
+    rows = q_team.shape[0]
+    acc_out, acc_lse = blocks.new_partials(q_team, kv_init.tensor.shape[-1] - q_team.shape[-1])
     q_segments = team_segments(groups, docs, topo.team_of(pos))
     kv_rot = LaneSplit(
         sub_ring_lanes(topo, pos, transfer), rows,
@@ -106,9 +103,7 @@ def _team_merge(comm, groups, partials: list[torch.Tensor], dtype):
         parts = comm.all_to_all(parts, groups.team_group, c, op="team_merge", wait=False)
         part_lse = comm.all_to_all(part_lse, groups.team_group, c, op="team_merge", wait=False)
         out, lse = blocks.merge_partials(parts.wait(), part_lse.wait())
-    out = out.permute(2, 0, 1, 3).to(dtype).contiguous()  # [n, b, h, dv]
-    lse = lse.permute(2, 0, 1).contiguous()  # [n, b, h]: sequence first, for the gather
-    return out, lse
+    return blocks.finished(out, lse, dtype)  # [n, b, h, dv], [n, b, h]
 
 
 def regathers_for_free(groups: StarTrailGroups) -> bool:

@@ -37,6 +37,20 @@ def split_kv(kv: torch.Tensor, dqk: int, dtype: torch.dtype) -> tuple[torch.Tens
     return kv[..., :dqk].to(dtype), kv[..., dqk:].to(dtype)
 
 
+def new_partials(q: torch.Tensor, dv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward's accumulators for the rows of ``q [Sq, b, h, dqk]``, before any key:
+    ``acc_out [b, h, Sq, dv]`` zeros and ``acc_lse [b, h, Sq]`` -inf (accumulator dtype)."""
+    rows, b, h = q.shape[:3]
+    acc = acc_dtype(q.dtype)
+    return q.new_zeros((b, h, rows, dv), dtype=acc), q.new_full((b, h, rows), float("-inf"), dtype=acc)
+
+
+def finished(acc_out: torch.Tensor, acc_lse: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merged accumulators as the attention's result: ``out [Sq, b, h, dv]`` in ``dtype`` and
+    ``lse [Sq, b, h]`` (accumulator dtype; sequence first, as the backward takes them)."""
+    return acc_out.permute(2, 0, 1, 3).to(dtype).contiguous(), acc_lse.permute(2, 0, 1).contiguous()
+
+
 def merge_lse_(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
     """In place: fold a partial (out, lse) into the accumulator (out ``[b, h, s, d]``, lse ``[b, h, s]``).
 

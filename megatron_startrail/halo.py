@@ -121,16 +121,14 @@ class _HaloAttention(torch.autograd.Function):
         _exchange(comm, [(blocks.take_rows(kv, ranges).contiguous(), s) for s, ranges in plan.send],
                   [(buf, s) for buf, (s, _) in zip(halos, plan.recv)], op="halo")
         kv_all = torch.cat([kv, *halos])  # [own rows | halos], described by plan.key_segments
-        n, b, h, dqk = q.shape
-        dv = v.shape[-1]
-        acc = blocks.acc_dtype(q.dtype)
-        acc_out = q.new_zeros((b, h, n, dv), dtype=acc)
-        acc_lse = q.new_full((b, h, n), float("-inf"), dtype=acc)
+        # One step of the attention's block work on the keys that landed (the same
+        # accumulators, kernel calls and finish as the StarTrail forward).
+        acc_out, acc_lse = blocks.new_partials(q, v.shape[-1])
         q_segments, k_segments = cp_rank_segments(docs, plan.rank), plan.key_segments(docs)
         blocks.forward_step(kernel, q, kv_all, q_segments, k_segments, acc_out, acc_lse, causal=causal,
                             scale=scale, window=window)
-        out = acc_out.permute(2, 0, 1, 3).to(q.dtype).contiguous()  # [n, b, h, dv]
-        lse = acc_lse.permute(2, 0, 1).contiguous()  # [n, b, h]
+        out, lse = blocks.finished(acc_out, acc_lse, q.dtype)  # [n, b, h, dv], [n, b, h]
+        dqk = q.shape[-1]
         ctx.save_for_backward(q, kv_all, out, lse)
         ctx.meta = (groups, docs, plan, window, causal, scale, kernel, bwd_stats, timeline, dqk)
         return out
