@@ -41,6 +41,10 @@ class PieceTransfer:
     def _post_through(self, last: int) -> None:
         while len(self._posted) <= min(last, len(self.bounds) - 1):
             self._posted.append(self._post_piece(len(self._posted)))
+        if len(self._posted) == len(self.bounds):
+            # All posted: let go of what the poster holds (the send buffer it cuts pieces
+            # from is freed when its transfers complete, not when this landing is).
+            self._post_piece = None
 
     def piece(self, j: int) -> torch.Tensor:
         """Rows of piece ``j``, once landed."""
