@@ -98,6 +98,7 @@ from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_l
 
 from megatron_startrail.megatron.arguments import add_startrail_args, validate_startrail_args  # noqa: E402
 from megatron_startrail.megatron.core_attention import LocalMLACoreAttention  # noqa: E402
+from megatron_startrail.megatron.dynamic_cp import log_dynamic_cp_schedule  # noqa: E402
 from megatron_startrail.megatron.from_args import (  # noqa: E402
     megatron_rank_order,
     startrail_hybrid_spec_from_args,
@@ -168,6 +169,11 @@ def validate_example_args(args) -> None:
         )
     if args.sft:
         raise ValueError("--sft is not supported by this example; use Megatron-LM's pretrain_gpt.py (patches/)")
+    if args.hybrid_context_parallel and args.context_parallel_algo == "megatron" \
+            and args.transformer_impl != "transformer_engine":
+        # The local DotProductAttention knows no per-sub-sample CP group.
+        raise ValueError("--hybrid-context-parallel on the local implementation needs --context-parallel-algo "
+                         "startrail (or tasp); Megatron's own needs --transformer-impl transformer_engine")
     if getattr(args, "hybrid_layer_pattern", None) is not None:  # megatron.training's flag
         validate_hybrid_args(args)
 
@@ -229,6 +235,7 @@ def initialize_parallel(args) -> None:
         distributed_timeout_minutes=args.distributed_timeout_minutes,
         order=megatron_rank_order(args),
         create_gloo_process_groups=args.use_gloo_process_groups,
+        hybrid_context_parallel=args.hybrid_context_parallel,  # a CP group of every size (dynamic CP)
     )
     # pretrain() seeds this too, but only when it finds a GPU.
     model_parallel_cuda_manual_seed(args.seed + 100 * parallel_state.get_pipeline_model_parallel_rank())
@@ -382,6 +389,50 @@ def get_batch(data_iterator, vp_stage=None):
     return {k: batch.get(k) for k in BATCH_KEYS}
 
 
+def get_dynamic_cp_batch(data_iterator):
+    """One sub-sample of Megatron's hybrid (dynamic) CP schedule on this rank: TP rank 0 takes
+    it (one document, 1-D tensors, and ``local_cp_size`` k) and pads it to a multiple of 2k
+    (padding is masked out of the loss, and a causal token never sees the padding after it);
+    then Megatron's own steps: the TP broadcast and the zigzag over the sub-sample's CP group
+    (``get_batch_on_this_cp_rank(is_hybrid_cp=True)``). Returns the batch and its THD
+    ``PackedSeqParams`` with ``local_cp_size`` and ``cp_group``: one packed sample of one
+    document, which StarTrail runs on its groups of size k."""
+    args = get_args()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    batch = {}
+    if tp_rank == 0:
+        sample = next(data_iterator)
+        k = int(sample["local_cp_size"])
+        pad = -sample["tokens"].numel() % (2 * k)
+        length = sample["tokens"].numel() + pad
+
+        def padded(t, fill=0):  # [L] -> [1, L + pad]
+            return torch.cat([t, t.new_full((pad,), fill)]).unsqueeze(0)
+
+        batch = dict(tokens=padded(sample["tokens"]), labels=padded(sample["labels"]),
+                     loss_mask=padded(sample["loss_mask"]), position_ids=torch.arange(length).unsqueeze(0),
+                     attention_mask=None, cu_seqlens=torch.tensor([[0, length]], dtype=torch.int32),
+                     cu_seqlens_padded=None, max_seqlen=torch.tensor([length], dtype=torch.int32),
+                     local_cp_size=torch.tensor([k], dtype=torch.int32))
+        if not CPU_ONLY:
+            batch = {key: v.cuda(non_blocking=True) if isinstance(v, torch.Tensor) else v for key, v in batch.items()}
+    batch = get_batch_on_this_tp_rank(
+        batch, has_cu_seqlens=True, is_hybrid_cp=True, create_attention_mask_in_dataloader=False,
+        broadcast_src_rank=parallel_state.get_tensor_model_parallel_src_rank(),
+        broadcast_group=parallel_state.get_tensor_model_parallel_group(), cp_size=args.context_parallel_size,
+        tp_rank=tp_rank, micro_batch_size=1, seq_length=args.seq_length, mtp_on_this_rank=False,
+    )
+    batch = get_batch_on_this_cp_rank(
+        batch, is_hybrid_cp=True, hybrid_cp_group_func=parallel_state.get_hybrid_data_context_parallel_groups,
+    )
+    cu_seqlens = batch["cu_seqlens"][0]  # [0, length], int32
+    length = int(batch["max_seqlen"].max().item())
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                             max_seqlen_q=length, max_seqlen_kv=length, local_cp_size=int(batch["local_cp_size"]),
+                             cp_group=batch.get("hybrid_cp_group"))  # no group for a sub-sample of CP 1
+    return batch, params
+
+
 def packed_seq_params_of(batch) -> PackedSeqParams | None:
     """PackedSeqParams (THD) for a batch with document boundaries, as Megatron's pretrain_gpt.py
     builds them: ``cu_seqlens`` global over the packed sample, no padded layout."""
@@ -405,10 +456,14 @@ def loss_func(loss_mask, output_tensor):
 
 
 def forward_step(data_iterator, model):
-    batch = get_batch(data_iterator, get_attr_wrapped_model(model, "vp_stage"))
+    if get_args().hybrid_context_parallel:
+        batch, packed_seq_params = get_dynamic_cp_batch(data_iterator)
+    else:
+        batch = get_batch(data_iterator, get_attr_wrapped_model(model, "vp_stage"))
+        packed_seq_params = packed_seq_params_of(batch)
     output = model(
-        batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"],
-        loss_mask=batch["loss_mask"], packed_seq_params=packed_seq_params_of(batch),
+        batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"],
+        loss_mask=batch["loss_mask"], packed_seq_params=packed_seq_params,
     )
     return output, functools.partial(loss_func, batch["loss_mask"])
 
@@ -438,6 +493,8 @@ def train(args) -> None:
     initialize_parallel(args)
     _use_prebuilt_dataset_helpers()
     log_tokens_per_second(args.seq_length)
+    if args.hybrid_context_parallel and args.context_parallel_algo != "megatron":
+        log_dynamic_cp_schedule(args.startrail_dynamic_team_sizes)
     pretrain(
         pretrain_cfg_container_from_args(args), datasets_provider, ModelType.encoder_or_decoder, forward_step,
         model_provider=model_provider,

@@ -122,6 +122,9 @@ def validate_startrail_args(args) -> None:
         if u != 1:
             raise ValueError("--ulysses-degree-in-cp applies to --context-parallel-algo startrail only; drop it")
         return
+    if getattr(args, "hybrid_context_parallel", False):
+        _validate_dynamic_cp(args)
+        return
     if cp < 2:
         raise ValueError(
             f"--context-parallel-algo {algo} needs --context-parallel-size > 1 "
@@ -188,6 +191,63 @@ def validate_startrail_args(args) -> None:
             f"{size} ranks (--context-parallel-size {cp} / --ulysses-degree-in-cp {u}): C*C must "
             f"divide {size}; valid values: {valid}"
         )
+    if getattr(args, "startrail_kernel", "auto") != "auto":
+        _check_forced_kernel(args, heads, kv_heads)
+
+
+def _validate_dynamic_cp(args) -> None:
+    """--hybrid-context-parallel (Megatron's dynamic CP, megatron/dynamic_cp.py): what StarTrail
+    and Megatron's hybrid data path need beyond Megatron's own checks (which ran first: no
+    pipeline parallelism, no CUDA graphs, no Megatron-FSDP, --calculate-per-token-loss); the
+    team size of every CP size (``args.startrail_dynamic_team_sizes``)."""
+    algo, tp = args.context_parallel_algo, args.tensor_model_parallel_size
+    dp_cp = args.world_size // (tp * getattr(args, "pipeline_model_parallel_size", 1))
+    rules = [
+        (args.context_parallel_size == 1, f"--hybrid-context-parallel runs with --context-parallel-size 1 (every "
+         f"sub-sample gets its own CP group over the data-parallel ranks), got {args.context_parallel_size}"),
+        (args.ulysses_degree_in_cp == 1, "--ulysses-degree-in-cp with --hybrid-context-parallel is not built: drop it"),
+        (dp_cp >= 2 and not dp_cp & (dp_cp - 1), f"--hybrid-context-parallel with --context-parallel-algo {algo} "
+         f"needs a power of two of data-parallel ranks (>= 2), got {dp_cp}: change the number of ranks or "
+         "--tensor-model-parallel-size"),
+        (getattr(args, "dataloader_inter_document_masking", False), "--hybrid-context-parallel splits packed "
+         "samples at their documents: add --dataloader-inter-document-masking"),
+        (getattr(args, "max_seqlen_per_dp_cp_rank", None) is not None,
+         "--hybrid-context-parallel needs --max-seqlen-per-dp-cp-rank N (tokens one rank holds)"),
+        (getattr(args, "rerun_mode", "disabled") == "disabled", "--hybrid-context-parallel replaces the training "
+         "data iterator, which Megatron's rerun machine cannot wrap: add --rerun-mode disabled"),
+        (not getattr(args, "eval_iters", 0), "--hybrid-context-parallel wraps only the training data: add "
+         "--eval-iters 0"),
+        (not getattr(args, "multi_latent_attention", False), "--hybrid-context-parallel: megatron-core 0.19.2 "
+         "has no hybrid context parallelism for --multi-latent-attention"),
+        (not getattr(args, "reset_attention_mask", False), "--reset-attention-mask (a dense document mask) with "
+         "--hybrid-context-parallel: use --dataloader-inter-document-masking"),
+        (getattr(args, "startrail_memory_limit_gb", None) is None,
+         "--startrail-memory-limit-gb with --hybrid-context-parallel is not built: drop it"),
+    ]
+    for holds, message in rules:
+        if not holds:
+            raise ValueError(message)
+    check_attention_options(args, algo)
+    if algo == "tasp":
+        args.startrail_team_size, args.startrail_transfer = 1, "multiring"
+    heads, kv_heads = args.num_attention_heads // tp, _kv_heads_per_tp_rank(args)
+    sizes = [1 << i for i in range(dp_cp.bit_length())]
+    if args.startrail_team_size == AUTO:
+        from ..planning.planner import choose_plan  # noqa: PLC0415 - only for auto
+
+        inputs = _planner_inputs(args, heads, kv_heads)
+
+        def planned(k: int) -> int:  # a sub-sample on k ranks holds up to k x --max-seqlen-per-dp-cp-rank tokens
+            tokens = min(args.seq_length, k * args.max_seqlen_per_dp_cp_rank)
+            return choose_plan(**{**inputs, "cp_size": k, "gpus_per_node": min(k, inputs["gpus_per_node"]),
+                                  "seq_length": max(2 * k, tokens - tokens % (2 * k))}).team_size
+
+        args.startrail_dynamic_team_sizes = {k: planned(k) if k > 1 else 1 for k in sizes}
+        args.startrail_team_size = max(args.startrail_dynamic_team_sizes.values())
+    else:
+        from .dynamic_cp import team_size_for  # noqa: PLC0415
+
+        args.startrail_dynamic_team_sizes = {k: team_size_for(k, args.startrail_team_size) for k in sizes}
     if getattr(args, "startrail_kernel", "auto") != "auto":
         _check_forced_kernel(args, heads, kv_heads)
 

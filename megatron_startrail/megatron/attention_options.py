@@ -95,12 +95,6 @@ UNSUPPORTED = (
         "set fp8_multi_head_attention=False",
     ),
     AttentionOption(
-        "hybrid_context_parallel", "--hybrid-context-parallel",
-        bool,
-        "StarTrail runs on the fixed context-parallel group; per-sub-sample CP groups are not built yet",
-        "drop --hybrid-context-parallel (and --max-seqlen-per-dp-cp-rank)",
-    ),
-    AttentionOption(
         "experimental_attention_variant", "--experimental-attention-variant",
         lambda v: v is not None,
         "DSA sparse attention and gated delta-net linear attention are other attentions than softmax "

@@ -25,7 +25,10 @@ them every document's padded span is (per-document balancing, SFT). See
 
 The StarTrail groups are passed in explicitly (``ModuleSpec.params``), never looked up; their
 ``config`` (:class:`~megatron_startrail.config.StarTrailConfig`) is every StarTrail setting
-of the run (transfer, regathering, backward rotation, kernel).
+of the run (transfer, regathering, backward rotation, kernel). With Megatron's hybrid
+(dynamic) CP they are a :class:`~megatron_startrail.megatron.dynamic_cp.DynamicCPGroups`,
+and each call runs on the set of its sub-sample's CP size (``PackedSeqParams.local_cp_size``,
+``cp_group``): the sub-sample, zigzagged over that group, is one packed sample.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from megatron.core.transformer.utils import is_layer_window_attention
 from ..attention import startrail_attn
 from ..groups import StarTrailGroups
 from .attention_options import check_attention_options
+from .dynamic_cp import DynamicCPGroups
 
 # Causal masks are applied by the schedule (the mask tensor, if any, is not needed);
 # "no mask" / "padding" mean full attention and work only without an actual mask tensor.
@@ -62,8 +66,6 @@ def packed_documents(packed_seq_params) -> tuple[torch.Tensor, torch.Tensor | No
             f"packed_seq_params.qkv_format={packed_seq_params.qkv_format!r}: StarTrail takes packed "
             "sequences in the 'thd' format only"
         )
-    if getattr(packed_seq_params, "local_cp_size", None) is not None:
-        raise ValueError("hybrid context parallelism (local_cp_size) is not supported with StarTrail")
     cu = _same("cu_seqlens", packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv)
     padded = _same("cu_seqlens_padded", packed_seq_params.cu_seqlens_q_padded, packed_seq_params.cu_seqlens_kv_padded)
     if cu is None:
@@ -89,7 +91,7 @@ class StarTrailCoreAttention(MegatronModule):
         k_channels: int | None = None,
         v_channels: int | None = None,
         *,
-        startrail_groups: StarTrailGroups,
+        startrail_groups: StarTrailGroups | DynamicCPGroups,
     ):
         super().__init__(config=config)
         if attention_type != "self":
@@ -100,7 +102,14 @@ class StarTrailCoreAttention(MegatronModule):
                 f"attention dropout {attention_dropout} is not supported with --context-parallel-algo startrail: "
                 "set --attention-dropout 0"
             )
-        if startrail_groups.cp_size != config.context_parallel_size:
+        dynamic = isinstance(startrail_groups, DynamicCPGroups)
+        if getattr(config, "hybrid_context_parallel", False) and not dynamic:
+            raise ValueError(
+                "--hybrid-context-parallel runs every sub-sample on a CP group of its own size: build the StarTrail "
+                "groups for it (startrail_spec_from_args with the flag; megatron/dynamic_cp.py), not for the fixed "
+                "CP group"
+            )
+        if not dynamic and startrail_groups.cp_size != config.context_parallel_size:
             raise ValueError(
                 f"StarTrail groups were built for CP={startrail_groups.cp_size}, "
                 f"but --context-parallel-size is {config.context_parallel_size}"
@@ -108,7 +117,7 @@ class StarTrailCoreAttention(MegatronModule):
         # Megatron hands modules their process groups in pg_collection: the CP group there must
         # be the one the StarTrail groups were built in, and the packed-document check runs on it.
         self.cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
-        if self.cp_group is not None:
+        if self.cp_group is not None and not dynamic:
             cp_ranks = tuple(dist.get_process_group_ranks(self.cp_group))
             if cp_ranks != tuple(startrail_groups.cp_global_ranks):
                 raise ValueError(
@@ -138,6 +147,7 @@ class StarTrailCoreAttention(MegatronModule):
         packed_seq_params=None,
     ):
         cu_seqlens = cu_seqlens_padded = None
+        groups, cp_group = self._groups_for(packed_seq_params)
         if packed_seq_params is not None:
             cu_seqlens, cu_seqlens_padded = packed_documents(packed_seq_params)
         if attention_bias is not None:
@@ -159,13 +169,29 @@ class StarTrailCoreAttention(MegatronModule):
             )
         # [s/CP, b, np, hn] -> [s/CP, b, np, hv]   (THD: [t/CP, np, hn] -> [t/CP, np, hv])
         out = startrail_attn(
-            query, key, value, self.startrail_groups,
+            query, key, value, groups,
             causal=causal, softmax_scale=self.softmax_scale,
             cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded,
-            cp_group=self.cp_group, window_size=self.window_size,
+            cp_group=cp_group, window_size=self.window_size,
         )
         # [s/CP, b, np, hv] -> [s/CP, b, np * hv]   (THD: -> [t/CP, np * hv])
         return out.reshape(*out.shape[:-2], -1)
+
+    def _groups_for(self, packed_seq_params) -> tuple[StarTrailGroups, object]:
+        """The StarTrail groups of this call and the process group of its CP ranks: fixed, or,
+        with hybrid CP, those of the sub-sample's CP size (Megatron's ``local_cp_size``)."""
+        local_cp_size = getattr(packed_seq_params, "local_cp_size", None)
+        if not isinstance(self.startrail_groups, DynamicCPGroups):
+            if local_cp_size is not None:
+                raise ValueError(
+                    f"PackedSeqParams.local_cp_size={local_cp_size} (hybrid context parallelism), but these "
+                    "StarTrail groups were built for the fixed CP group: build them with --hybrid-context-parallel"
+                )
+            return self.startrail_groups, self.cp_group
+        if local_cp_size is None:
+            raise ValueError("--hybrid-context-parallel: StarTrail needs PackedSeqParams.local_cp_size on every call")
+        groups = self.startrail_groups.for_call(local_cp_size, getattr(packed_seq_params, "cp_group", None))
+        return groups, groups.cp_group
 
 
 class LocalMLACoreAttention(MegatronModule):

@@ -30,6 +30,7 @@ from megatron.core import parallel_state
 
 from ..config import StarTrailConfig
 from ..groups import StarTrailGroups
+from .dynamic_cp import DynamicCPGroups, initialize_dynamic_startrail
 from .hybrid_specs import check_startrail_hybrid_pattern, to_startrail_hybrid_spec
 from .layer_specs import to_startrail_spec
 from .parallel_state import initialize_startrail
@@ -57,9 +58,10 @@ def _nccl_comm_cfgs(path: str | None) -> dict:
         return yaml.safe_load(f) or {}
 
 
-def startrail_groups_from_args(args) -> StarTrailGroups:
+def startrail_groups_from_args(args) -> StarTrailGroups | DynamicCPGroups:
     """The StarTrail groups for the parsed flags: built on the first call (collective: every
-    rank calls it in the same order, as Megatron builds models), reused after that."""
+    rank calls it in the same order, as Megatron builds models), reused after that. With
+    ``--hybrid-context-parallel``: those of every CP size (:mod:`.dynamic_cp`)."""
     global _built
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("call parallel_state.initialize_model_parallel before building the StarTrail layer spec")
@@ -69,8 +71,13 @@ def startrail_groups_from_args(args) -> StarTrailGroups:
         nccl_comm_cfgs=_nccl_comm_cfgs(getattr(args, "nccl_communicator_config_path", None)),
     )
     cp_group = parallel_state.get_context_parallel_group()
+    if getattr(args, "hybrid_context_parallel", False):  # a set of groups per CP size (dynamic_cp.py)
+        options["team_sizes"] = getattr(args, "startrail_dynamic_team_sizes", None)
     if _built is None or _built[0] is not cp_group or _built[1] != options:
-        groups = initialize_startrail(**options)
+        if "team_sizes" in options:
+            groups = initialize_dynamic_startrail(**options)
+        else:
+            groups = initialize_startrail(**options)
         _built = (cp_group, options, groups)
         if dist.get_rank() == 0:
             config = groups.config

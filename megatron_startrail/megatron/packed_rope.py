@@ -125,11 +125,16 @@ class PackedRopeSelfAttention(SelfAttention):
     """Megatron's SelfAttention, with RoPE by per-document position in the packed sample layout."""
 
     _sample_layout_freqs = None  # (q freqs, k freqs) [s/CP, 1, 1, d], set only inside forward
+    _rope_cp_group = None  # the CP group the held rows were zigzagged over, set only inside forward
 
     def forward(self, hidden_states, attention_mask=None, **kwargs):
         rotary_pos_emb = kwargs.get("rotary_pos_emb")
         packed_seq_params = kwargs.get("packed_seq_params")
         cp_group = self.pg_collection.cp
+        if getattr(packed_seq_params, "local_cp_size", None) not in (None, 1):
+            # Hybrid (dynamic) CP: the sub-sample was zigzagged over its own group, which
+            # Megatron's THD RoPE (on the fixed CP group) knows nothing of.
+            cp_group = packed_seq_params.cp_group
         if (rotary_pos_emb is None or not is_sample_layout(packed_seq_params) or cp_group.size() == 1
                 or self.skips_rope()):
             return super().forward(hidden_states, attention_mask, **kwargs)
@@ -142,10 +147,11 @@ class PackedRopeSelfAttention(SelfAttention):
         # GPTModel gives the table of positions 0..max_seqlen-1, [max_seqlen, 1, 1, d]
         # (not cut for CP when packed); pick the row of every held token: [s/CP, 1, 1, d].
         self._sample_layout_freqs = (rotary_pos_emb[0][positions_q], rotary_pos_emb[1][positions_kv])
+        self._rope_cp_group = cp_group
         try:
             return super().forward(hidden_states, attention_mask, **{**kwargs, "rotary_pos_emb": None})
         finally:
-            self._sample_layout_freqs = None
+            self._sample_layout_freqs = self._rope_cp_group = None
 
     def _positions(self, cu_seqlens: torch.Tensor, cp_group, total: int) -> torch.Tensor:
         """This rank's per-document positions: once per micro-batch, in the StarTrail groups'
@@ -177,7 +183,7 @@ class PackedRopeSelfAttention(SelfAttention):
         q_freqs, k_freqs = self._sample_layout_freqs
         mscale = getattr(self, "_yarn_concentration_factor", 1.0)
         # query [s/CP, b, np, hn], key [s/CP, b, ng, hn] (b = 1 when packed): rotated as plain sequences.
-        cp_group = self.pg_collection.cp
+        cp_group = self._rope_cp_group
         query = apply_rotary_pos_emb(qkv[0], q_freqs, config=self.config, mscale=mscale, cp_group=cp_group)
         key = apply_rotary_pos_emb(qkv[1], k_freqs, config=self.config, mscale=mscale, cp_group=cp_group)
         return (query, key, *qkv[2:])

@@ -178,7 +178,6 @@ UNSUPPORTED_ATTENTION_FLAGS = [
     (["--cuda-graph-impl", "transformer_engine"], "--cuda-graph-impl transformer_engine"),
     (["--cuda-graph-impl", "full_iteration"], "--cuda-graph-impl full_iteration"),
     (["--enable-cuda-graph"], "--enable-cuda-graph"),
-    (["--hybrid-context-parallel"], "--hybrid-context-parallel"),
 ]
 
 

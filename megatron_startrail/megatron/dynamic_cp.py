@@ -1,0 +1,173 @@
+"""StarTrail inside Megatron's hybrid (dynamic) context parallelism.
+
+With ``--hybrid-context-parallel`` (megatron-core 0.19.2) the static CP size is 1 and
+every sub-sample of a global batch runs on a context-parallel group of its own
+power-of-two size ``k`` over the DP x CP ranks (``BalancedCPScheduler``): a 2K-token
+document alone, a 128K one across all of them. Megatron builds a group of every size
+(``parallel_state.create_hybrid_dp_cp_groups``: aligned, contiguous slices of each DP x CP
+rank list) and tells the core attention per call which one runs this sub-sample
+(``PackedSeqParams.local_cp_size`` and ``cp_group``). (Not to be confused with the
+``HybridModel`` of ``--hybrid-layer-pattern``, :mod:`.hybrid_specs`.)
+
+:func:`initialize_dynamic_startrail` builds StarTrail groups on every one of those groups,
+eagerly and collectively (every rank, ascending size: what NCCL needs), each with its
+own team size (:func:`team_size_for`); :class:`DynamicCPGroups` holds them, and the core
+attention picks the set of this call's size (:meth:`DynamicCPGroups.for_call`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.parallel_state import RankGenerator
+
+from ..config import StarTrailConfig
+from ..groups import StarTrailGroups, new_startrail_groups
+from ..microbatch import MicroBatchCache
+
+
+def team_size_for(group_size: int, team_size: int) -> int:
+    """The team size on a CP group of ``group_size`` ranks: the largest ``C <= team_size``
+    with ``C*C`` dividing it (1, ring attention, where none larger does)."""
+    return max(c for c in range(1, team_size + 1) if group_size % (c * c) == 0)
+
+
+def dynamic_cp_sizes(dp_cp_size: int) -> list[int]:
+    """The CP sizes Megatron's scheduler may give a sub-sample: 1, 2, 4, ..., DP x CP."""
+    if dp_cp_size < 2 or dp_cp_size & (dp_cp_size - 1):
+        raise ValueError(
+            f"--hybrid-context-parallel needs a power of two of data x context parallel ranks (>= 2), got "
+            f"{dp_cp_size}: change --tensor-model-parallel-size or the number of ranks"
+        )
+    return [1 << i for i in range(dp_cp_size.bit_length())]
+
+
+def dp_cp_rank_lists(world_size: int, tp: int, order: str) -> list[list[int]]:
+    """Pure: Megatron's DP x CP rank lists (pipeline parallelism is 1 with hybrid CP, and
+    the static CP size 1), the lists ``create_hybrid_dp_cp_groups`` cuts into groups."""
+    return RankGenerator(tp=tp, ep=1, dp=world_size // tp, pp=1, cp=1, order=order).get_ranks("dp-cp")
+
+
+def sub_groups(rank_lists: list[list[int]], size: int) -> list[list[int]]:
+    """Every CP group of ``size`` ranks: aligned contiguous slices of each DP x CP list
+    (Megatron's rule in ``create_hybrid_dp_cp_groups``)."""
+    return [ranks[i:i + size] for ranks in rank_lists for i in range(0, len(ranks), size)]
+
+
+@dataclasses.dataclass
+class DynamicCPGroups:
+    """This rank's StarTrail groups for every CP size of hybrid CP (``by_size[k]``)."""
+
+    by_size: dict[int, StarTrailGroups]
+    config: StarTrailConfig  # the flags' settings; each size's team size is its own
+    # Per-micro-batch metadata (documents, RoPE positions), shared by every size's groups:
+    # what PackedRopeSelfAttention finds through the core attention.
+    documents_cache: MicroBatchCache = dataclasses.field(default_factory=MicroBatchCache, repr=False)
+
+    def for_call(self, local_cp_size: int, cp_group) -> StarTrailGroups:
+        """The groups of one sub-sample's CP size; ``cp_group`` is Megatron's group for it
+        (``PackedSeqParams.cp_group``, None for size 1), checked to be the one they were
+        built in: a group they were not built for would pair the wrong ranks."""
+        groups = self.by_size.get(int(local_cp_size))
+        if groups is None:
+            raise ValueError(
+                f"local_cp_size={local_cp_size}: StarTrail groups exist for CP sizes {sorted(self.by_size)} "
+                "(those of --hybrid-context-parallel over this run's data x context parallel ranks)"
+            )
+        if local_cp_size > 1 and cp_group is not None and cp_group is not groups.cp_group and tuple(
+                dist.get_process_group_ranks(cp_group)) != groups.cp_global_ranks:
+            raise ValueError(
+                f"PackedSeqParams.cp_group holds ranks {dist.get_process_group_ranks(cp_group)}, but StarTrail's "
+                f"CP-{local_cp_size} group here is {list(groups.cp_global_ranks)}: a sub-sample must run on one of "
+                "Megatron's aligned hybrid groups (parallel_state.get_hybrid_data_context_parallel_groups)"
+            )
+        return groups
+
+    def describe(self) -> str:
+        return ", ".join(f"CP {k}: team size {g.team_size}" for k, g in sorted(self.by_size.items()))
+
+
+def initialize_dynamic_startrail(config: StarTrailConfig, *, order: str, team_sizes: dict[int, int] | None = None,
+                                 timeout: datetime.timedelta | None = None,
+                                 nccl_comm_cfgs: dict | None = None) -> DynamicCPGroups:
+    """Build the StarTrail groups of every hybrid CP group; collective, once, right after
+    ``initialize_model_parallel(hybrid_context_parallel=True)``. ``team_sizes[k]`` (the
+    planner's per size, with ``--startrail-team-size auto``) or :func:`team_size_for`."""
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("call parallel_state.initialize_model_parallel before initialize_dynamic_startrail")
+    if parallel_state.get_context_parallel_world_size() != 1 or \
+            parallel_state.get_pipeline_model_parallel_world_size() != 1:
+        raise ValueError("--hybrid-context-parallel runs with --context-parallel-size 1 and no pipeline parallelism")
+    rank_lists = dp_cp_rank_lists(dist.get_world_size(), parallel_state.get_tensor_model_parallel_world_size(),
+                                  order)
+    pg_options = parallel_state.get_nccl_options("dp_cp", nccl_comm_cfgs or {}) \
+        if dist.get_backend() == "nccl" else None
+    create_group = functools.partial(parallel_state.create_group, pg_options=pg_options)
+    result = DynamicCPGroups({}, config)
+    for k in dynamic_cp_sizes(len(rank_lists[0])):
+        # Megatron's own group of this size is reused (Note [communicators] in groups.py);
+        # size 1 is its static CP group of one rank.
+        cp_group = parallel_state.get_context_parallel_group() if k == 1 else \
+            parallel_state.get_hybrid_data_context_parallel_groups(group_size=k)
+        team = (team_sizes or {}).get(k) or team_size_for(k, config.team_size)
+        groups = new_startrail_groups(sub_groups(rank_lists, k), config=dataclasses.replace(config, team_size=team),
+                                      timeout=timeout, create_group=create_group, cp_group=cp_group)
+        groups.documents_cache = result.documents_cache
+        result.by_size[k] = groups
+    return result
+
+
+def schedule_sizes(sample_id_groups: list[list[list[int]]]) -> dict[int, int]:
+    """``{CP size: sub-samples}`` of one global batch's schedule (``BalancedCPScheduler``:
+    ``sample_id_groups[phase][dp_cp_rank]`` lists the sub-samples that rank runs in that
+    phase), after checking that every sub-sample's ranks are one of Megatron's aligned
+    groups. The scheduler can place a CP-4 sub-sample on ranks 2..5 (megatron-core 0.19.2,
+    ``fill_empty_gpus``); Megatron would then hand ranks 2, 3 the group 0..3 and ranks 4, 5
+    the group 4..7, and the attention's collectives would never complete. Every rank
+    computes the same schedule, so every rank raises here instead."""
+    sizes: dict[int, int] = {}
+    for phase, per_rank in enumerate(sample_id_groups):
+        holders: dict[int, list[int]] = {}
+        for rank, ids in enumerate(per_rank):
+            for sample in ids:
+                holders.setdefault(sample, []).append(rank)
+        for sample, ranks in holders.items():
+            k = len(ranks)
+            if k & (k - 1) or ranks != list(range(ranks[0], ranks[0] + k)) or ranks[0] % k:
+                raise RuntimeError(
+                    f"hybrid CP schedule, phase {phase}: sub-sample {sample} is on data x context parallel ranks "
+                    f"{ranks}, not one of Megatron's aligned groups of {k} (a megatron-core 0.19.2 scheduler "
+                    "placement its groups cannot run); change --max-seqlen-per-dp-cp-rank or the global batch"
+                )
+            sizes[k] = sizes.get(k, 0) + 1
+    return dict(sorted(sizes.items()))
+
+
+def log_dynamic_cp_schedule(team_sizes: dict[int, int]) -> None:
+    """Check every global batch's hybrid CP schedule (:func:`schedule_sizes`) and print, on
+    global rank 0 once per iteration, how many sub-samples run at each CP size and the
+    team size each uses: wraps ``megatron.training``'s ``HybridCPDataLoaderWrapper``
+    (idempotent)."""
+    from megatron.training import training  # noqa: PLC0415
+
+    wrapper = training.HybridCPDataLoaderWrapper
+    if getattr(wrapper, "_startrail_checked", False):
+        return
+
+    class CheckedHybridCPDataLoader(wrapper):
+        _startrail_checked = True
+
+        def __next__(self):
+            samples, sample_id_groups = super().__next__()
+            if sample_id_groups is not None:  # tensor-parallel rank 0 (the others receive by broadcast)
+                sizes = schedule_sizes(sample_id_groups)
+                if dist.get_rank() == 0:
+                    print(" dynamic CP: " + " | ".join(f"CP {k}: {n} sub-samples, team size {team_sizes.get(k, 1)}"
+                                                        for k, n in sizes.items()), flush=True)
+            return samples, sample_id_groups
+
+    training.HybridCPDataLoaderWrapper = CheckedHybridCPDataLoader
