@@ -169,7 +169,7 @@ def validate_example_args(args) -> None:
         )
     if args.sft:
         raise ValueError("--sft is not supported by this example; use Megatron-LM's pretrain_gpt.py (patches/)")
-    if args.hybrid_context_parallel and args.context_parallel_algo == "megatron" \
+    if getattr(args, "hybrid_context_parallel", False) and args.context_parallel_algo == "megatron" \
             and args.transformer_impl != "transformer_engine":
         # The local DotProductAttention knows no per-sub-sample CP group.
         raise ValueError("--hybrid-context-parallel on the local implementation needs --context-parallel-algo "

@@ -50,6 +50,13 @@ def valid_team_sizes(size: int) -> list[int]:
     return [c for c in range(1, size + 1) if c * c <= size and size % (c * c) == 0]
 
 
+def team_size_for(size: int, team_size: int) -> int:
+    """The team size on a StarTrail group of ``size`` ranks under ``--startrail-team-size
+    team_size``: the largest ``C <= team_size`` with ``C*C`` dividing ``size`` (1, ring
+    attention, where none larger does; hybrid CP's groups of every size)."""
+    return max(c for c in valid_team_sizes(size) if c <= team_size)
+
+
 @dataclass(frozen=True)
 class StarTrailTopology:
     """Rank math of one StarTrail group of ``size`` positions and team size ``team_size``."""

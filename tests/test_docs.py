@@ -61,7 +61,8 @@ def test_readme_links_the_design_notes():
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 FENCE = re.compile(r"```[a-z]*\n(.*?)```", re.S)
 # What a docs command runs; scripts/run_main_job.sh passes its extra flags to the example.
-SCRIPT = re.compile(r"(examples/[\w/]+\.py|benchmarks/[\w/]+\.py|scripts/run_main_job\.sh|-m megatron_startrail\.planning)")
+SCRIPT = re.compile(r"(examples/[\w/]+\.py|benchmarks/[\w/]+\.py|scripts/run_main_job\.sh|"
+                    r"-m megatron_startrail\.planning(?:\.dynamic_cp)?)")
 FLAG = re.compile(r"(?<![\w-])--[a-z0-9][a-z0-9-]*")
 
 
@@ -102,7 +103,7 @@ def _accepted_flags(script: str) -> set[str]:
     """Every option of ``script``'s own parser, read from its ``--help``."""
     if script == "scripts/run_main_job.sh":
         script = "examples/pretrain_gpt.py"
-    argv = ["-m", "megatron_startrail.planning"] if script.startswith("-m") else [script]
+    argv = script.split() if script.startswith("-m") else [script]
     proc = subprocess.run([sys.executable, *argv, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=180,
                           env=dict(os.environ, PYTHONPATH=ROOT))
     assert proc.returncode == 0, (script, proc.stderr[-2000:])

@@ -123,8 +123,7 @@ def validate_startrail_args(args) -> None:
             raise ValueError("--ulysses-degree-in-cp applies to --context-parallel-algo startrail only; drop it")
         return
     if getattr(args, "hybrid_context_parallel", False):
-        _validate_dynamic_cp(args)
-        return
+        return _validate_dynamic_cp(args)
     if cp < 2:
         raise ValueError(
             f"--context-parallel-algo {algo} needs --context-parallel-size > 1 "
@@ -243,11 +242,13 @@ def _validate_dynamic_cp(args) -> None:
                                   "seq_length": max(2 * k, tokens - tokens % (2 * k))}).team_size
 
         args.startrail_dynamic_team_sizes = {k: planned(k) if k > 1 else 1 for k in sizes}
+        args.startrail_dynamic_team_sizes_by = "the planner (--startrail-team-size auto)"
         args.startrail_team_size = max(args.startrail_dynamic_team_sizes.values())
     else:
-        from .dynamic_cp import team_size_for  # noqa: PLC0415
+        from ..topology import team_size_for  # noqa: PLC0415
 
         args.startrail_dynamic_team_sizes = {k: team_size_for(k, args.startrail_team_size) for k in sizes}
+        args.startrail_dynamic_team_sizes_by = f"the largest C <= {args.startrail_team_size} with C*C dividing the size"
     if getattr(args, "startrail_kernel", "auto") != "auto":
         _check_forced_kernel(args, heads, kv_heads)
 

@@ -28,12 +28,7 @@ from megatron.core.parallel_state import RankGenerator
 from ..config import StarTrailConfig
 from ..groups import StarTrailGroups, new_startrail_groups
 from ..microbatch import MicroBatchCache
-
-
-def team_size_for(group_size: int, team_size: int) -> int:
-    """The team size on a CP group of ``group_size`` ranks: the largest ``C <= team_size``
-    with ``C*C`` dividing it (1, ring attention, where none larger does)."""
-    return max(c for c in range(1, team_size + 1) if group_size % (c * c) == 0)
+from ..topology import team_size_for
 
 
 def dynamic_cp_sizes(dp_cp_size: int) -> list[int]:
@@ -88,7 +83,8 @@ class DynamicCPGroups:
         return groups
 
     def describe(self) -> str:
-        return ", ".join(f"CP {k}: team size {g.team_size}" for k, g in sorted(self.by_size.items()))
+        sizes = ", ".join(f"CP {k}: team size {g.team_size}" for k, g in sorted(self.by_size.items()))
+        return f"hybrid CP, StarTrail groups per CP size ({sizes})"
 
 
 def initialize_dynamic_startrail(config: StarTrailConfig, *, order: str, team_sizes: dict[int, int] | None = None,

@@ -81,7 +81,9 @@ def startrail_groups_from_args(args) -> StarTrailGroups | DynamicCPGroups:
         _built = (cp_group, options, groups)
         if dist.get_rank() == 0:
             config = groups.config
-            print(f"> {args.context_parallel_algo}: {groups.describe()}, transfer {config.transfer}, "
+            by = getattr(args, "startrail_dynamic_team_sizes_by", None) if "team_sizes" in options else None
+            print(f"> {args.context_parallel_algo}: {groups.describe()}{f', team sizes by {by}' if by else ''}, "
+                  f"transfer {config.transfer}, "
                   f"regather in backward {'on' if config.regather_in_backward else 'off'}, backward rotation "
                   f"{config.backward_rotation}, "
                   f"kernel {config.kernel}", flush=True)

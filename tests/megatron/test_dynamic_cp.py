@@ -1,8 +1,8 @@
 """StarTrail inside Megatron's hybrid (dynamic) context parallelism (megatron/dynamic_cp.py).
 
 End to end: examples/pretrain_gpt.py with --hybrid-context-parallel, Megatron's own hybrid
-sampler, data wrapper, BalancedCPScheduler and schedule, on packed documents of 1 to 119
-tokens with --max-seqlen-per-dp-cp-rank 16, so that a global batch runs sub-samples at CP
+sampler, data wrapper, BalancedCPScheduler and schedule, on samples of 128 tokens packed
+with documents of 1 to 119 tokens, with --max-seqlen-per-dp-cp-rank 16, so that a global batch runs sub-samples at CP
 sizes 1, 2, 4 and 8, each on StarTrail groups of its size. (Seed 3: with the seed 1234 of the
 other example tests, megatron-core 0.19.2's scheduler places a CP-4 sub-sample of the fourth
 global batch on ranks 2..5, which no group of Megatron's can run; dynamic_cp.schedule_sizes
@@ -29,10 +29,10 @@ from megatron_startrail.megatron.dynamic_cp import (  # noqa: E402
     dynamic_cp_sizes,
     schedule_sizes,
     sub_groups,
-    team_size_for,
 )
+from megatron_startrail.topology import team_size_for  # noqa: E402
 
-COMMON = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--seq-length", "256",
+COMMON = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--seq-length", "128",
           "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "4", "--lr", "3e-3",
           "--lr-warmup-iters", "1", "--seed", "3", "--log-interval", "1", "--calculate-per-token-loss"]
 DYNAMIC = ["--context-parallel-algo", "startrail", "--dataloader-inter-document-masking", "--hybrid-context-parallel",

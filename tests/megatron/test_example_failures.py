@@ -98,7 +98,7 @@ def run_example(world, argv, env=None, victim=None, victim_step=None, timeout=12
     # With what Megatron's own hybrid CP checks ask for: StarTrail's refusal, not Megatron's
     # "data iterator is not wrapped with RerunDataIterator" at the first step.
     (["--hybrid-context-parallel", "--calculate-per-token-loss", "--max-seqlen-per-dp-cp-rank", "64"], "ValueError",
-     "--hybrid-context-parallel: StarTrail runs on the fixed context-parallel group"),
+     "--hybrid-context-parallel runs with --context-parallel-size 1"),
 ], ids=["team-size", "ulysses-cp", "ulysses-heads", "seq-length", "hybrid-cp"])
 def test_bad_flags_fail_on_every_rank_before_any_communication(flags, error, message):
     # CP 4 on 4 ranks. No MASTER_ADDR: a rank that got as far as init_process_group would fail
