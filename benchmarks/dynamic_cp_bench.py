@@ -38,8 +38,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 from benchmarks.testbed.netns_cluster import EmulatedCluster, check_requirements  # noqa: E402
 from megatron_startrail.planning.cluster import preset  # noqa: E402
 from megatron_startrail.planning.dynamic_cp import price_dynamic_batch  # noqa: E402
-from megatron_startrail.planning.planner import Workload  # noqa: E402
-from megatron_startrail.topology import team_size_for  # noqa: E402
+from megatron_startrail.planning.planner import Workload, predict  # noqa: E402
 
 
 def documents(count: int, low: int, high: int, seed: int = 0) -> list[np.ndarray]:
@@ -82,6 +81,17 @@ def run_config(cluster, args, flags: list[str], data: str, port: int) -> list[di
         return [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(world)]
 
 
+def timed_sub_samples(ranks: list[dict], warmup: int) -> list[tuple[int, int]]:
+    """``(CP size, padded length)`` of every sub-sample of the timed steps, once each (each
+    of its ``k`` ranks recorded it)."""
+    records: dict[tuple[int, int], int] = {}
+    for r in ranks:
+        for step, k, n in r["sub_samples"]:
+            if step >= warmup:
+                records[(k, n)] = records.get((k, n), 0) + 1
+    return [(k, n) for (k, n), count in records.items() for _ in range(count // k)]
+
+
 def summarize(name: str, ranks: list[dict], args) -> dict:
     timed = slice(args.warmup, None)
     step_s = [statistics.median(s["seconds"] for s in r["steps"][timed]) for r in ranks]
@@ -91,31 +101,27 @@ def summarize(name: str, ranks: list[dict], args) -> dict:
     internode = sum(r["internode_tx_bytes"] or 0 for r in ranks) / args.iters / args.nodes
     row = {"name": name, "time_ms_median": 1000 * max(step_s), "internode_bytes_per_node_per_iter": internode,
            "busy_ms_per_rank": [1000 * b for b in busy]}
-    subs = [(k, n) for r in ranks for step, k, n in r["sub_samples"] if step >= args.warmup]
-    if subs:  # every sub-sample is recorded by each of its k ranks
-        row["sub_samples_per_iter"] = {k: sum(1 for kk, _ in subs if kk == k) / k / args.iters
-                                       for k in sorted({k for k, _ in subs})}
+    subs = timed_sub_samples(ranks, args.warmup)
+    if subs:
+        sizes = sorted({k for k, _ in subs})
+        row["sub_samples_per_iter"] = {k: sum(1 for kk, _ in subs if kk == k) / args.iters for k in sizes}
     return row
 
 
-def predicted(args, ranks: list[dict], name: str) -> float | None:
-    """The planner's inter-node bytes of the attention per iteration (all layers) for the
-    sub-samples that ran; static CP: the same number of packed samples."""
+def predicted(args, ranks: list[dict], name: str) -> float:
+    """The planner's inter-node bytes of the attention per iteration (all layers, busiest
+    node) for the sub-samples that ran; static CP: the global batch's packed samples."""
     world = args.nodes * args.ranks_per_node
     cluster = preset("h100-nvlink-8x400ib", args.nodes, gpus_per_node=args.ranks_per_node)
     work = Workload(args.seq_length, args.heads, args.heads, args.hidden_size // args.heads, dtype_bytes=4)
-    subs = [(k, n) for r in ranks for step, k, n in r["sub_samples"] if step >= args.warmup]
+    subs = timed_sub_samples(ranks, args.warmup)
+    if not subs:  # static CP: every sample on all ranks
+        return predict(cluster, work, world, args.team_size).internode_bytes * args.global_batch * args.num_layers
     team = 1 if "C1" in name else args.team_size
-    # Each sub-sample appears once per rank of its group: keep one record of each.
-    counted: dict[tuple[int, int], int] = {}
-    for k, n in subs:
-        counted[(k, n)] = counted.get((k, n), 0) + 1
-    lengths = [n for (k, n), c in counted.items() for _ in range(c // k)]
-    price = price_dynamic_batch(cluster, work, lengths or [args.seq_length], dp_cp=world,
+    price = price_dynamic_batch(cluster, work, [n for _, n in subs], dp_cp=world,
                                 max_seqlen_per_rank=args.max_seqlen_per_rank, team_size=team, static_cp=world,
                                 static_team_size=args.team_size, samples=args.global_batch * args.iters)
-    per_iter = args.num_layers / args.iters
-    return (price.internode_bytes if subs else price.static_internode_bytes) * per_iter
+    return price.internode_bytes * args.num_layers / args.iters
 
 
 def table(rows: list[dict]) -> str:

@@ -58,11 +58,6 @@ class PieceTransfer:
         """Piece ``j`` is done with: its landing buffer may go (a separate one per piece)."""
         self._posted[j] = (self._posted[j][0], None)
 
-    def wait(self) -> torch.Tensor:
-        for j in range(len(self.bounds)):
-            self.piece(j)
-        return self.tensor
-
 
 def post_initial_send(comm: Communicator, topo: StarTrailTopology, pos: int, kv_team: torch.Tensor, *,
                       op: str) -> PieceTransfer:

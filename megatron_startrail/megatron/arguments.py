@@ -21,7 +21,7 @@ import os
 
 from ..config import BACKWARD_ROTATIONS
 from ..kernels.selection import KERNELS
-from ..topology import valid_team_sizes
+from ..topology import team_size_for, valid_team_sizes
 from ..transfer import TRANSFERS
 from .attention_options import check_attention_options
 
@@ -205,9 +205,6 @@ def _validate_dynamic_cp(args) -> None:
         (args.context_parallel_size == 1, f"--hybrid-context-parallel runs with --context-parallel-size 1 (every "
          f"sub-sample gets its own CP group over the data-parallel ranks), got {args.context_parallel_size}"),
         (args.ulysses_degree_in_cp == 1, "--ulysses-degree-in-cp with --hybrid-context-parallel is not built: drop it"),
-        (dp_cp >= 2 and not dp_cp & (dp_cp - 1), f"--hybrid-context-parallel with --context-parallel-algo {algo} "
-         f"needs a power of two of data-parallel ranks (>= 2), got {dp_cp}: change the number of ranks or "
-         "--tensor-model-parallel-size"),
         (getattr(args, "dataloader_inter_document_masking", False), "--hybrid-context-parallel splits packed "
          "samples at their documents: add --dataloader-inter-document-masking"),
         (getattr(args, "max_seqlen_per_dp_cp_rank", None) is not None,
@@ -230,7 +227,9 @@ def _validate_dynamic_cp(args) -> None:
     if algo == "tasp":
         args.startrail_team_size, args.startrail_transfer = 1, "multiring"
     heads, kv_heads = args.num_attention_heads // tp, _kv_heads_per_tp_rank(args)
-    sizes = [1 << i for i in range(dp_cp.bit_length())]
+    from .dynamic_cp import dynamic_cp_sizes  # noqa: PLC0415 - megatron-core is loaded by now
+
+    sizes = dynamic_cp_sizes(dp_cp)  # (a power of two of DP x CP ranks, or an error naming the flags)
     if args.startrail_team_size == AUTO:
         from ..planning.planner import choose_plan  # noqa: PLC0415 - only for auto
 
@@ -245,8 +244,6 @@ def _validate_dynamic_cp(args) -> None:
         args.startrail_dynamic_team_sizes_by = "the planner (--startrail-team-size auto)"
         args.startrail_team_size = max(args.startrail_dynamic_team_sizes.values())
     else:
-        from ..topology import team_size_for  # noqa: PLC0415
-
         args.startrail_dynamic_team_sizes = {k: team_size_for(k, args.startrail_team_size) for k in sizes}
         args.startrail_dynamic_team_sizes_by = f"the largest C <= {args.startrail_team_size} with C*C dividing the size"
     if getattr(args, "startrail_kernel", "auto") != "auto":

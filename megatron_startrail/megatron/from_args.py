@@ -71,17 +71,15 @@ def startrail_groups_from_args(args) -> StarTrailGroups | DynamicCPGroups:
         nccl_comm_cfgs=_nccl_comm_cfgs(getattr(args, "nccl_communicator_config_path", None)),
     )
     cp_group = parallel_state.get_context_parallel_group()
-    if getattr(args, "hybrid_context_parallel", False):  # a set of groups per CP size (dynamic_cp.py)
+    dynamic = getattr(args, "hybrid_context_parallel", False)  # a set of groups per CP size (dynamic_cp.py)
+    if dynamic:
         options["team_sizes"] = getattr(args, "startrail_dynamic_team_sizes", None)
     if _built is None or _built[0] is not cp_group or _built[1] != options:
-        if "team_sizes" in options:
-            groups = initialize_dynamic_startrail(**options)
-        else:
-            groups = initialize_startrail(**options)
+        groups = (initialize_dynamic_startrail if dynamic else initialize_startrail)(**options)
         _built = (cp_group, options, groups)
         if dist.get_rank() == 0:
             config = groups.config
-            by = getattr(args, "startrail_dynamic_team_sizes_by", None) if "team_sizes" in options else None
+            by = getattr(args, "startrail_dynamic_team_sizes_by", None) if dynamic else None
             print(f"> {args.context_parallel_algo}: {groups.describe()}{f', team sizes by {by}' if by else ''}, "
                   f"transfer {config.transfer}, "
                   f"regather in backward {'on' if config.regather_in_backward else 'off'}, backward rotation "
