@@ -159,7 +159,8 @@ def main() -> None:
     v0 = torch.randn(s_local, w["batch"], w["kv_heads"], w["head_dim"], generator=gen).to(dtype)
     dout = torch.randn_like(q0)
 
-    calibration = measure_cluster(per_node, spec["rate_mbit"], q0, k0, v0, dout, w["causal"])
+    calibration = measure_cluster(per_node, spec["rate_mbit"], q0, k0, v0, dout, w["causal"],
+                                  spec.get("calibration_s", 1.0))
 
     timeline = Timeline()
     runs = [ConfigRun(config, w, q0, k0, v0, dout, timeline) for config in spec["configs"]]

@@ -125,7 +125,7 @@ def run_once(args, rate_mbit: float, configs: list[dict]) -> list[dict]:
                          "kv_heads": args.kv_heads or args.heads, "head_dim": args.head_dim,
                          "dtype": args.dtype, "causal": not args.no_causal},
             "configs": configs, "warmup": args.warmup, "iters": args.iters, "output": out_path,
-            "rate_mbit": rate_mbit or 10000.0,
+            "rate_mbit": rate_mbit or 10000.0, "calibration_s": args.calibration_seconds,
         }, open(spec_path, "w"))
         cluster.run_ranks(args.ranks_per_node, [sys.executable, os.path.join(HERE, "attention_worker.py"), spec_path],
                           {"PYTHONPATH": os.path.dirname(HERE)}, args.port, timeout=args.timeout)
@@ -240,6 +240,8 @@ def parser() -> argparse.ArgumentParser:
                         "unbounded); PyTorch's ring runs without it")
     p.add_argument("--configs", nargs="+", default=["ring", "startrail-2", "startrail-4", "ulysses-2xstartrail-2"])
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--calibration-seconds", type=float, default=1.0,
+                   help="traffic per repeat of the link calibration (the planner's inputs), at the nominal rate")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--intra-node-gbs", type=float, default=1.0,
                    help="loopback bandwidth per rank for the planner's model (GB/s)")

@@ -17,7 +17,9 @@ pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 
 def bench_args(**overrides):
     args = dict(nodes=2, ranks_per_node=2, topology="bridge", seq_length=1024, batch=1, heads=2, kv_heads=None,
-                head_dim=16, dtype="float32", no_causal=False, warmup=1, iters=2, port=29561, timeout=300)
+                head_dim=16, dtype="float32", no_causal=False, warmup=1, iters=2, port=29561, timeout=300,
+                # byte counts need no link calibration: a short one (it still runs every probe)
+                calibration_seconds=0.05)
     args.update(overrides)
     return argparse.Namespace(**args)
 
