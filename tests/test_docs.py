@@ -4,7 +4,6 @@ Docstrings once cited design notes that were never in the repository; these chec
 every cited Markdown file, and every cited section of docs/design.md, real.
 """
 
-import concurrent.futures
 import os
 import re
 import subprocess
@@ -99,15 +98,35 @@ def test_every_relative_link_and_anchor_resolves():
     assert not broken, broken
 
 
-def _accepted_flags(script: str) -> set[str]:
-    """Every option of ``script``'s own parser, read from its ``--help``."""
-    if script == "scripts/run_main_job.sh":
-        script = "examples/pretrain_gpt.py"
-    argv = script.split() if script.startswith("-m") else [script]
-    proc = subprocess.run([sys.executable, *argv, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=180,
-                          env=dict(os.environ, PYTHONPATH=ROOT))
-    assert proc.returncode == 0, (script, proc.stderr[-2000:])
-    return set(FLAG.findall(proc.stdout))
+# Prints each script's ``--help``, all in one process (torch and Megatron imported once):
+# argv[1:] are the scripts, a line "=== script" before each help text.
+HELP_ALL = """
+import contextlib, io, runpy, sys
+for script in sys.argv[1:]:
+    target = "examples/pretrain_gpt.py" if script == "scripts/run_main_job.sh" else script
+    sys.argv = [target, "--help"]
+    text = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(text):
+            if target.startswith("-m "):
+                runpy.run_module(target[3:], run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(target, run_name="__main__")
+    except SystemExit as stop:
+        assert stop.code in (0, None), (script, stop.code)
+    print("=== " + script)
+    print(text.getvalue())
+"""
+
+
+def _accepted_flags(scripts: list[str]) -> dict[str, set[str]]:
+    """Every option of each script's own parser, read from its ``--help``."""
+    proc = subprocess.run([sys.executable, "-c", HELP_ALL, *scripts], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    helps = dict(part.split("\n", 1) for part in proc.stdout.split("=== ")[1:])
+    assert sorted(helps) == sorted(scripts), sorted(helps)
+    return {script: set(FLAG.findall(text)) for script, text in helps.items()}
 
 
 def test_every_flag_in_a_docs_command_is_accepted_by_its_parser():
@@ -122,8 +141,7 @@ def test_every_flag_in_a_docs_command_is_accepted_by_its_parser():
                     commands.append((rel, found.group(1), FLAG.findall(line[found.end():])))
     scripts = {script for _, script, _ in commands}
     assert "examples/pretrain_gpt.py" in scripts, "the README's GPU command is no longer found"
-    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:  # each --help is its own process
-        accepted = dict(zip(sorted(scripts), pool.map(_accepted_flags, sorted(scripts))))
+    accepted = _accepted_flags(sorted(scripts))
     unknown = [f"{rel}: {script} {flag}" for rel, script, flags in commands for flag in flags
                if flag not in accepted[script]]
     assert not unknown, unknown
