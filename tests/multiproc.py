@@ -32,10 +32,15 @@ import traceback
 from typing import Any, Callable, Sequence
 
 import torch
+import torch._inductor  # noqa: F401 - see below
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from megatron_startrail import nccl_rules
+
+# torch.use_deterministic_algorithms (which many workers call) imports torch._inductor, and
+# with it dynamo and sympy: ~800 modules, ~1 s of CPU per rank, 16 ranks on 2 cores. Imported
+# once here, before the fork, every rank has them. (Importing starts no thread pool.)
 
 # Collective timeout inside the ranks: a mismatch raises instead of hanging.
 PG_TIMEOUT_S = float(os.environ.get("STARTRAIL_TEST_PG_TIMEOUT", "60"))
