@@ -6,14 +6,35 @@ the example and megatron.training instead of importing them again.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import importlib.util
 import io
 import os
 
 from tests.megatron.utils import cpu_patches  # noqa: F401  (import shims before megatron.training)
+from megatron.training import argument_utils, arguments  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# Megatron's parser reads each config dataclass's field docstrings from its source
+# (inspect.getsource + ast.parse) every time it is built: about a third of a small example
+# rank's CPU, two parses per rank. The docstrings depend on the class only: cached, and
+# filled here once, so that every forked rank inherits them. (Test harness only; the
+# parser it builds is the same.)
+_read_field_docstrings = argument_utils.ArgumentGroupFactory._get_field_docstrings
+_field_docstrings: dict[type, dict[str, str]] = {}
+
+
+def _cached_field_docstrings(factory, cls: type) -> dict[str, str]:
+    if cls not in _field_docstrings:
+        _field_docstrings[cls] = _read_field_docstrings(factory, cls)
+    return dict(_field_docstrings[cls])
+
+
+argument_utils.ArgumentGroupFactory._get_field_docstrings = _cached_field_docstrings
+arguments.add_megatron_arguments(argparse.ArgumentParser())
+
 _spec = importlib.util.spec_from_file_location("pretrain_gpt", os.path.join(ROOT, "examples", "pretrain_gpt.py"))
 pretrain_gpt = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(pretrain_gpt)
