@@ -3,6 +3,9 @@
 One forked world per CP size P; inside it every valid (U, C), causal or not, MHA / GQA /
 MQA and every input dtype runs, and each rank asserts its output and gradients and its
 communication counters (against the closed forms in ``megatron_startrail.accounting``).
+At P = 16 (16 ranks on CI's 2 cores: the suite's longest world) bf16 and fp16 run one
+case per (U, C), causal GQA: how a dtype is handled does not depend on P, and P <= 8 runs
+every combination.
 """
 
 import itertools
@@ -24,6 +27,15 @@ from tests.multiproc import run_ranks
 BATCH, HEADS, DIM, CHUNK = 2, 4, 8, 3
 HEAD_LAYOUTS = {"mha": 4, "gqa": 2, "mqa": 1}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+LARGEST_WORLD = 16
+
+
+def cases(cp_size):
+    """(causal, (layout, kv_heads), dtype) run for every (U, C) at ``cp_size``."""
+    for case in itertools.product((True, False), HEAD_LAYOUTS.items(), DTYPES):
+        causal, (layout, _), dtype = case
+        if cp_size < LARGEST_WORLD or dtype == torch.float32 or (causal and layout == "gqa"):
+            yield case
 STAT_FIELDS = ["p2p_bytes_sent", "p2p_bytes_recv", "collective_bytes_sent", "collective_bytes_recv", "p2p_steps"]
 
 
@@ -61,9 +73,7 @@ def worker(rank, world_size):
     failures, checked = [], 0
     for u, c in group_settings(world_size):
         groups = new_startrail_groups(team_size=c, ulysses_size=u)
-        for causal, (layout, kv_heads), dtype in itertools.product(
-            (True, False), HEAD_LAYOUTS.items(), DTYPES
-        ):
+        for causal, (layout, kv_heads), dtype in cases(world_size):
             case = f"U={u} C={c} causal={causal} {layout} {dtype}"
             seed = 1000 + 10 * c + u
             errors, stats, _ = run_case(groups, rank, world_size, causal, kv_heads, dtype, seed)
@@ -88,7 +98,7 @@ def test_matches_float64_full_attention_and_closed_form_comm(cp_size):
     results = run_ranks(worker, cp_size, timeout=600)
     failures = sorted({f for fails, _ in results for f in fails})
     assert not failures, "\n".join(failures[:40])
-    expected_cases = len(list(group_settings(cp_size))) * 2 * len(HEAD_LAYOUTS) * len(DTYPES)
+    expected_cases = len(list(group_settings(cp_size))) * len(list(cases(cp_size)))
     assert all(n == expected_cases for _, n in results)
 
 
