@@ -32,7 +32,7 @@ from megatron_startrail.megatron.dynamic_cp import (  # noqa: E402
 )
 from megatron_startrail.topology import team_size_for  # noqa: E402
 
-COMMON = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--seq-length", "128",
+COMMON = ["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "8", "--seq-length", "128",
           "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "4", "--lr", "3e-3",
           "--lr-warmup-iters", "1", "--seed", "3", "--log-interval", "1", "--calculate-per-token-loss"]
 DYNAMIC = ["--context-parallel-algo", "startrail", "--dataloader-inter-document-masking", "--hybrid-context-parallel",
@@ -193,7 +193,8 @@ def test_megatrons_own_refusals_still_come_first_with_megatrons_message(monkeypa
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)  # FSDP's own check, before the hybrid one
     with pytest.raises(error, match=re.escape(message)):
-        pretrain_gpt.parse_command_line([*COMMON, "--data-path", "unused", *DYNAMIC, *extra])
+        # two layers: pipeline parallelism 2 needs a layer per stage
+        pretrain_gpt.parse_command_line([*COMMON, "--num-layers", "2", "--data-path", "unused", *DYNAMIC, *extra])
 
 
 def test_a_call_runs_on_the_groups_of_its_cp_size_and_a_foreign_group_is_an_error(monkeypatch):
