@@ -12,7 +12,8 @@ SIZES = [1, 2, 4, 8, 9, 16, 18, 32, 36, 64, 128, 256, 1024]
 def all_topologies():
     for p in SIZES:
         for c in valid_team_sizes(p):
-            yield StarTrailTopology(p, c)
+            if (p, c) != (1024, 1):  # the plain ring is checked to P = 256; its 10^6 pairs at 1024 took 8 s
+                yield StarTrailTopology(p, c)
 
 
 @pytest.mark.parametrize("topo", list(all_topologies()), ids=lambda t: f"P{t.size}C{t.team_size}")
