@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.megatron.utils import Utils, parallel_state
+from tests.megatron.utils import Utils, parallel_state, sgd_step_on_summed_grads
 
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
@@ -79,9 +79,7 @@ def train(layout, cp, masked):
         total = loss.detach().double().reshape(1)
         dist.all_reduce(total, group=cp_group)
         losses.append(total.item())
-        for p in model.parameters():
-            dist.all_reduce(p.grad, group=cp_group)
-            p.data.add_(p.grad, alpha=-LR)
+        sgd_step_on_summed_grads(model, cp_group, LR)
     return losses
 
 
