@@ -22,7 +22,6 @@ whole suite) every run that finishes on all ranks is then checked against NCCL's
 from __future__ import annotations
 
 import datetime
-import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -89,11 +88,6 @@ def run_ranks(
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "pg_init")
         procs, conns = [], []
-        # The ranks inherit the parent's ~400K objects (torch, Megatron). Frozen, a rank's
-        # garbage collections (automatic, or gc.collect() before a memory measurement) skip
-        # them instead of walking and touching them, copy-on-write page by page; the
-        # parent unfreezes its own once the ranks are started (Python's gc.freeze recipe).
-        gc.freeze()
         for rank in range(world_size):
             parent_conn, child_conn = ctx.Pipe(duplex=False)
             p = ctx.Process(
@@ -105,7 +99,6 @@ def run_ranks(
             child_conn.close()
             procs.append(p)
             conns.append(parent_conn)
-        gc.unfreeze()
 
         deadline = time.monotonic() + timeout
         results: list[Any] = [None] * world_size
