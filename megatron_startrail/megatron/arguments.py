@@ -112,6 +112,18 @@ def _kv_heads_per_tp_rank(args) -> int:
     return max(1, groups // args.tensor_model_parallel_size)
 
 
+def _resolve_tasp(args, algo: str) -> None:
+    """``--context-parallel-algo tasp`` is StarTrail with teams of 1 and the multi-ring transfer."""
+    if algo != "tasp":
+        return
+    if args.startrail_team_size not in (AUTO, 1):
+        raise ValueError(
+            f"--context-parallel-algo tasp is StarTrail with --startrail-team-size 1 "
+            f"(got {args.startrail_team_size}); for larger teams use --context-parallel-algo startrail"
+        )
+    args.startrail_team_size, args.startrail_transfer = 1, "multiring"
+
+
 def validate_startrail_args(args) -> None:
     """Check the StarTrail flags against the parallel layout; resolve ``--startrail-team-size auto``.
 
@@ -139,13 +151,7 @@ def validate_startrail_args(args) -> None:
             f"{algo}: Megatron's fused MLA RoPE assumes each document zigzagged on its own, not the whole "
             "packed sample; add --no-rope-fusion"
         )
-    if algo == "tasp":
-        if args.startrail_team_size not in (AUTO, 1):
-            raise ValueError(
-                f"--context-parallel-algo tasp is StarTrail with --startrail-team-size 1 "
-                f"(got {args.startrail_team_size}); for larger teams use --context-parallel-algo startrail"
-            )
-        args.startrail_team_size, args.startrail_transfer = 1, "multiring"
+    _resolve_tasp(args, algo)
     if u < 1 or cp % u != 0:
         raise ValueError(f"--ulysses-degree-in-cp {u} must divide --context-parallel-size {cp}")
     tp = args.tensor_model_parallel_size
@@ -224,8 +230,7 @@ def _validate_dynamic_cp(args) -> None:
         if not holds:
             raise ValueError(message)
     check_attention_options(args, algo)
-    if algo == "tasp":
-        args.startrail_team_size, args.startrail_transfer = 1, "multiring"
+    _resolve_tasp(args, algo)
     heads, kv_heads = args.num_attention_heads // tp, _kv_heads_per_tp_rank(args)
     from .dynamic_cp import dynamic_cp_sizes  # noqa: PLC0415 - megatron-core is loaded by now
 

@@ -166,6 +166,7 @@ def test_auto_team_size_logs_the_planners_choice_per_cp_size(monkeypatch):
     (["--rerun-mode", "validate_results"], "--rerun-mode disabled"),
     (["--eval-iters", "2"], "--eval-iters 0"),
     (["--startrail-memory-limit-gb", "10"], "--startrail-memory-limit-gb"),
+    (["--context-parallel-algo", "tasp", "--startrail-team-size", "2"], "tasp is StarTrail with --startrail-team-size 1"),
 ])
 def test_what_dynamic_cp_with_startrail_cannot_run_is_refused_with_its_flag(monkeypatch, extra, message):
     from tests.megatron.test_arguments import parse  # noqa: PLC0415
