@@ -31,19 +31,11 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.testbed.calibration import measure_cluster
+from benchmarks.testbed.netns_cluster import inter_node_links, node_tx_bytes
 from benchmarks.memory import peak_live_bytes, saved_bytes
 from benchmarks.torch_cp_peer import torch_ring_attn
 from megatron_startrail import new_startrail_groups, startrail_attn
 from megatron_startrail.timeline import Timeline
-
-
-def node_tx_bytes(links: list[str]) -> int:
-    """Bytes sent so far on this namespace's inter-node interfaces ``links``."""
-    total = 0
-    for dev in links:
-        with open(f"/sys/class/net/{dev}/statistics/tx_bytes") as f:
-            total += int(f.read())
-    return total
 
 
 class ConfigRun:
@@ -147,7 +139,7 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
     rank, world = dist.get_rank(), dist.get_world_size()
     per_node = int(os.environ["RANKS_PER_NODE"])
-    links = [dev for dev in os.environ["INTER_NODE_LINKS"].split(",") if dev]
+    links = inter_node_links()
     node = rank // per_node
     torch.set_num_threads(1)
     w = spec["workload"]

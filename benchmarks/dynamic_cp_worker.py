@@ -20,17 +20,10 @@ import os
 import sys
 import time
 
+from benchmarks.testbed.netns_cluster import inter_node_links, node_tx_bytes  # stdlib only: before the shims is fine
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-
-
-def node_tx_bytes() -> int:
-    """Bytes sent so far by this node's inter-node interfaces (this network namespace)."""
-    total = 0
-    for dev in filter(None, os.environ.get("INTER_NODE_LINKS", "").split(",")):
-        with open(f"/sys/class/net/{dev}/statistics/tx_bytes") as f:
-            total += int(f.read())
-    return total
 
 
 def main(spec_path: str) -> None:
@@ -58,17 +51,18 @@ def main(spec_path: str) -> None:
     dist.barrier = timed_barrier
     train_step = training.train_step
     measure_node = rank % int(os.environ["RANKS_PER_NODE"]) == 0
+    links = inter_node_links()
     tx = {}
 
     def timed_train_step(*args, **kwargs):
         if measure_node and "start" not in tx and len(steps) == spec.get("warmup", 1):
-            tx["start"] = node_tx_bytes()
+            tx["start"] = node_tx_bytes(links)
         waits[0] = 0.0
         start = time.perf_counter()
         out = train_step(*args, **kwargs)
         steps.append({"seconds": time.perf_counter() - start, "barrier_wait_s": waits[0]})
         if measure_node and "start" in tx:
-            tx["end"] = node_tx_bytes()
+            tx["end"] = node_tx_bytes(links)
         return out
 
     training.train_step = timed_train_step

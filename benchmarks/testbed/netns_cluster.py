@@ -46,6 +46,20 @@ MTU = 9000  # fewer headers per byte: kernel counters stay close to payload byte
 QUICKACK = ("quickack", "1")
 
 
+def inter_node_links() -> list[str]:
+    """Inside a rank started by :meth:`EmulatedCluster.spawn`: its node's inter-node interfaces."""
+    return [dev for dev in os.environ["INTER_NODE_LINKS"].split(",") if dev]
+
+
+def node_tx_bytes(links: list[str]) -> int:
+    """Inside a node's namespace: bytes sent so far on its interfaces ``links`` (the kernel's counters)."""
+    total = 0
+    for dev in links:
+        with open(f"/sys/class/net/{dev}/statistics/tx_bytes") as f:
+            total += int(f.read())
+    return total
+
+
 def check_requirements() -> str | None:
     """None if the cluster can be built here, else the reason."""
     if os.geteuid() != 0:
