@@ -8,9 +8,8 @@ gradients over the DP x CP group (what Megatron's DDP does), then compared.
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from tests.megatron.utils import Utils, forward_backward, parallel_state, sample_batch, sgd_step_on_summed_grads, tiny_gpt
+from tests.megatron.utils import Utils, parallel_state, sample_batch, tiny_gpt, train_steps, worst_grad_error
 from tests.multiproc import run_ranks
 
 # (name, world, tp, pp, cp, dp, team_size, ulysses, query_groups)
@@ -38,20 +37,12 @@ def worker(rank, world_size, tp, pp, cp, team_size, ulysses, query_groups, windo
     weights = {n: p.detach().double().sum().item() for n, p in model.named_parameters()}
     dp = parallel_state.get_data_parallel_world_size(with_context_parallel=False)
     dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=False)
-    dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    losses, first_grads = [], None
-    for step in range(STEPS):
-        model.zero_grad(set_to_none=False)
-        # The reference (dp=1) sees every DP rank's sample in one batch of `dp_total`.
+
+    def batch_of_step(step):  # the reference (dp=1) sees every DP rank's sample in one batch
         batches = [sample_batch(10 * step + d) for d in range(2)]
-        mine = batches[dp_rank] if dp > 1 else concat_batches(batches)
-        loss = forward_backward(model, mine)
-        total = torch.tensor([loss if loss is not None else 0.0], dtype=torch.float64)
-        dist.all_reduce(total, group=dp_cp_group)
-        grads = sgd_step_on_summed_grads(model, dp_cp_group, LR)
-        losses.append(total.item())
-        if first_grads is None:
-            first_grads = grads
+        return batches[dp_rank] if dp > 1 else concat_batches(batches)
+
+    losses, first_grads = train_steps(model, STEPS, LR, batch_of_step)
     keep = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
     key = (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank())
     last_stage = parallel_state.is_pipeline_last_stage()
@@ -86,9 +77,8 @@ def test_startrail_gpt_matches_cp1(layout):
     for key in ref:
         (w, g, losses), (rw, rg, rlosses) = got[key], ref[key]
         assert w == rw, f"{name} {key}: weights differ between the two builds"
-        for pname in rg:
-            err = (g[pname] - rg[pname]).abs().max().item() / max(rg[pname].abs().max().item(), 1e-12)
-            assert err < 1e-4, f"{name} {key} {pname}: relative grad error {err:.2e}"
+        err, pname = worst_grad_error(g, rg)  # per parameter (issue 36: losses alone miss 1e-2)
+        assert err <= 1e-5, f"{name} {key} {pname}: relative grad error {err:.2e}"
         if rlosses is not None:
             assert losses == pytest.approx(rlosses, rel=1e-5), f"{name}: losses {losses} vs CP=1 {rlosses}"
     if window is not None:  # the window changes the model: a run that ignored it would be told apart

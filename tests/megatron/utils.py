@@ -60,14 +60,18 @@ class Utils:
         dist.barrier()
 
 
-def tiny_gpt(tp=1, pp=1, cp=1, team_size=1, ulysses_size=1, query_groups=None, seed=1234, window=None):
+def tiny_gpt(tp=1, pp=1, cp=1, team_size=1, ulysses_size=1, query_groups=None, seed=1234, window=None, *,
+             position_embedding_type="rope", no_rope_freq=None, groups=None):
     """A 2-layer GPT on this rank's pipeline stage; StarTrail core attention when cp > 1.
     ``window``: ``(window_size, window_attn_skip_freq)`` (Megatron's --window-size and
-    --window-attn-skip-freq)."""
+    --window-attn-skip-freq). ``position_embedding_type`` and ``no_rope_freq`` are Megatron's
+    --position-embedding-type and --no-rope-freq. ``groups``: StarTrail groups already built
+    (e.g. with a ``backward_rotation``), so that one world can build many models without
+    making new groups for each; by default they are made from ``team_size``, ``ulysses_size``."""
     torch.manual_seed(seed)
     window_size, skip_freq = window if window is not None else (None, None)
     config = TransformerConfig(
-        window_size=window_size, window_attn_skip_freq=skip_freq,
+        window_size=window_size, window_attn_skip_freq=skip_freq, no_rope_freq=no_rope_freq,
         num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=query_groups,
         use_cpu_initialization=True, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         context_parallel_size=cp, hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
@@ -76,11 +80,11 @@ def tiny_gpt(tp=1, pp=1, cp=1, team_size=1, ulysses_size=1, query_groups=None, s
     )
     spec = get_gpt_layer_local_spec()
     if cp > 1:
-        spec = to_startrail_spec(spec, initialize_startrail(team_size, ulysses_size))
+        spec = to_startrail_spec(spec, groups if groups is not None else initialize_startrail(team_size, ulysses_size))
     return GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
         pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
-        position_embedding_type="rope",
+        position_embedding_type=position_embedding_type,
     )
 
 
@@ -142,3 +146,40 @@ def sgd_step_on_summed_grads(model, group, lr: float) -> dict:
         grads[name] = g.view_as(p).clone()
         p.data.add_(grads[name], alpha=-lr)
     return grads
+
+
+def train_steps(model, steps: int, lr: float, batch_of_step) -> tuple[list[float], dict]:
+    """``steps`` steps of SGD on the gradients summed over DP x CP; returns the loss of every
+    step summed over DP x CP (0 off the last pipeline stage) and the first step's summed
+    gradients by name. ``batch_of_step(step)``: this rank's (pre-CP-split) batch.
+
+    The first step's gradients are what a CP bug shows first and best: a loss after a
+    step moves by lr x the gradient error only, below any loss tolerance (issue 36)."""
+    dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    losses, first_grads = [], None
+    for step in range(steps):
+        model.zero_grad(set_to_none=False)
+        loss = forward_backward(model, batch_of_step(step))
+        total = torch.tensor([loss if loss is not None else 0.0], dtype=torch.float64)
+        dist.all_reduce(total, group=dp_cp_group)
+        grads = sgd_step_on_summed_grads(model, dp_cp_group, lr)
+        losses.append(total.item())
+        first_grads = grads if first_grads is None else first_grads
+    return losses, first_grads
+
+
+def relative_grad_errors(grads: dict, ref: dict) -> dict:
+    """Per parameter: max|g - g_ref| / max|g_ref| (1e-30 guards a zero reference gradient).
+
+    Per parameter, not one norm over the model: a wrong gradient in one small tensor (a
+    layer norm, one layer's QKV) would vanish in a global norm dominated by the embedding."""
+    assert set(grads) == set(ref), f"different parameters: {sorted(set(grads) ^ set(ref))}"
+    return {name: ((grads[name] - ref[name]).abs().max() / ref[name].abs().max().clamp_min(1e-30)).item()
+            for name in ref}
+
+
+def worst_grad_error(grads: dict, ref: dict) -> tuple[float, str]:
+    """The largest per-parameter relative gradient error and its parameter's name."""
+    errors = relative_grad_errors(grads, ref)
+    name = max(errors, key=errors.get)
+    return errors[name], name
