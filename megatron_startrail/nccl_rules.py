@@ -8,7 +8,10 @@ receive, and a group's first batched P2P must include all of its ranks. With
 gives its transport a :class:`RuleAudit` that records, on this rank:
 
 - per group (by role) the kind of its first operation here: ``"collective"`` or ``"p2p"``;
-- per group and peer, the sequence of messages sent and received: ``(label, bytes)``.
+- per group and peer, the sequence of messages sent and received: ``(label, bytes)``;
+
+and it fails at once when a tensor handed to a collective or a P2P op is not contiguous
+(NCCL moves the storage as one dense block: a strided view would be the wrong bytes).
 
 :func:`verify` then checks across ranks (tests/multiproc.py calls it after every
 distributed test, over the default group):
@@ -36,6 +39,7 @@ import functools
 import os
 from collections import defaultdict
 
+import torch
 import torch.distributed as dist
 
 from .nccl_replay import replay
@@ -107,6 +111,16 @@ def _record_wait(works) -> None:
         _PROGRAM.append(("wait", ops))
 
 
+def _check_dense(label: str, tensors) -> None:
+    """NCCL reads and writes a tensor's storage as one dense block whatever its strides (its
+    P2P only warns), where gloo refuses some and copies others: a strided tensor handed to a
+    collective or a P2P op is wrong bytes on a GPU, so it fails the CPU run here."""
+    for t in tensors:
+        if not t.is_contiguous():
+            raise AssertionError(f"NCCL rules: {label} was handed a non-contiguous tensor of shape "
+                                 f"{tuple(t.shape)}, strides {t.stride()}; NCCL would move the wrong bytes")
+
+
 @functools.cache
 def checked(transport_cls):
     """``transport_cls`` recording every operation into its audit."""
@@ -117,6 +131,7 @@ def checked(transport_cls):
             self.audit = audit
 
         def post(self, sends, recvs, *, channel, label):
+            _check_dense(label, [t for t, _ in sends + recvs])
             detail = []
             for tensors, send in ((sends, True), (recvs, False)):
                 for t, peer in tensors:
@@ -130,6 +145,7 @@ def checked(transport_cls):
             return works
 
         def collective(self, fn, *args, group, label, **kwargs):
+            _check_dense(label, [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)])
             self.audit.collective(self.role_of(group))
             work = super().collective(fn, *args, group=group, label=label, **kwargs)
             _record_post(self._comm(group), "coll", f"{label}:{getattr(fn, '__name__', fn)}", work)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.attention_cases import zigzag_ranges
+from tests.attention_cases import window_mask, zigzag_ranges
 
 PAD = -1
 
@@ -83,5 +83,22 @@ def reference_packed(q, k, v, doc, causal, scale):
 def reference_packed_with_grads(q, k, v, dout, doc, causal, scale):
     q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
     out = reference_packed(q, k, v, doc, causal, scale)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def windowed_reference(q, k, v, dout, doc, positions, window, causal, scale):
+    """Float64 attention on ``[s, b, h, d]`` where query i sees key j iff both are of one
+    document (not padding) and ``pos_i - left <= pos_j <= pos_i + right`` (-1: unbounded)."""
+    q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
+    heads, kv_heads, s = q.shape[2], k.shape[2], q.shape[0]
+    kk, vv = (t.repeat_interleave(heads // kv_heads, dim=2) for t in (k, v))
+    delta = positions[None, :] - positions[:, None]  # key minus query position
+    mask = (doc[:, None] == doc[None, :]) & (doc[:, None] != PAD) & window_mask(delta, window, causal)
+    real = mask.any(dim=1)
+    mask |= torch.eye(s, dtype=torch.bool) & ~real[:, None]
+    scores = torch.einsum("sbhd,tbhd->bhst", q, kk) * scale
+    out = torch.einsum("bhst,tbhd->sbhd", torch.softmax(scores.masked_fill(~mask, float("-inf")), -1), vv)
+    out = out * real[:, None, None, None]
     out.backward(dout)
     return out.detach(), q.grad, k.grad, v.grad

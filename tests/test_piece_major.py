@@ -17,6 +17,7 @@ from megatron_startrail import new_startrail_groups, startrail_attn
 from megatron_startrail.accounting import AttentionShape, expected_comm
 from tests.attention_cases import TOLERANCE, local_rows, reference_with_grads, relative_error
 from tests.multiproc import run_ranks
+from tests.packed_cases import windowed_reference
 from tests.test_packed_documents import run_packed_case
 from tests.test_regather_and_mla import CHUNK, HEAD_CASES, HEADS, STAT_FIELDS, mla_inputs, run
 
@@ -47,7 +48,6 @@ def piece_major_worker(rank, world_size, team_size):
         if window is None:
             ref = reference_with_grads(*full, causal, dqk**-0.5)
         else:
-            from tests.test_window import windowed_reference
             ref = windowed_reference(*full, torch.zeros(seq, dtype=torch.long), torch.arange(seq), window, causal,
                                      dqk**-0.5)
         ref = [local_rows(t, rank, world_size) for t in ref]

@@ -14,29 +14,12 @@ from megatron_startrail import new_startrail_groups, startrail_attn
 from megatron_startrail.accounting import AttentionShape, expected_comm, halo_bytes, halo_rows
 from megatron_startrail.halo import MAX_HALO_SHARE
 from megatron_startrail.layout import plan_calls
-from tests.attention_cases import full_inputs, plan_coverage, relative_error, window_mask
+from tests.attention_cases import full_inputs, plan_coverage, relative_error
 from tests.multiproc import run_ranks
-from tests.packed_cases import PAD, document_of_positions, held_positions, make_documents
+from tests.packed_cases import PAD, document_of_positions, held_positions, make_documents, windowed_reference
 
 CHUNK, HEADS, DIM = 8, 4, 8
 TOL = 1e-10  # float64 inputs: every path is exact up to rounding
-
-
-def windowed_reference(q, k, v, dout, doc, positions, window, causal, scale):
-    """Float64 attention on ``[s, b, h, d]`` where query i sees key j iff both are of one
-    document (not padding) and ``pos_i - left <= pos_j <= pos_i + right`` (-1: unbounded)."""
-    q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
-    heads, kv_heads, s = q.shape[2], k.shape[2], q.shape[0]
-    kk, vv = (t.repeat_interleave(heads // kv_heads, dim=2) for t in (k, v))
-    delta = positions[None, :] - positions[:, None]  # key minus query position
-    mask = (doc[:, None] == doc[None, :]) & (doc[:, None] != PAD) & window_mask(delta, window, causal)
-    real = mask.any(dim=1)
-    mask |= torch.eye(s, dtype=torch.bool) & ~real[:, None]
-    scores = torch.einsum("sbhd,tbhd->bhst", q, kk) * scale
-    out = torch.einsum("bhst,tbhd->sbhd", torch.softmax(scores.masked_fill(~mask, float("-inf")), -1), vv)
-    out = out * real[:, None, None, None]
-    out.backward(dout)
-    return out.detach(), q.grad, k.grad, v.grad
 
 
 CASES = [
