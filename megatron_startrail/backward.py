@@ -56,7 +56,7 @@ def _member_side(comm, groups, own_side: list[torch.Tensor], i: int) -> list[tor
     """Member ``i``'s ``q, dO, out, lse`` (``own_side`` on member ``i`` itself), team-broadcast
     from it, the four at once."""
     c, mine = groups.team_size, groups.topology.member_of(groups.startrail_rank) == i
-    side = own_side if mine else [torch.empty_like(t) for t in own_side]
+    side = own_side if mine else [torch.empty_like(t, memory_format=torch.contiguous_format) for t in own_side]
     if c == 1:
         return side
     pending = [comm.broadcast(t, groups.team_group, c, src=i, mine=mine, op="team_broadcast", wait=False)
@@ -158,7 +158,10 @@ def backward_q(ctx, dout):
         kv_init = PieceTransfer.local(kv_team, c)
     member, n, dtype, dqk = topo.member_of(pos), q.shape[0], q.dtype, q.shape[-1]
     acc_dtype = blocks.acc_dtype(dtype)
-    own_side = [q, dout.contiguous(), out, lse]  # [n, b, h, dqk], [n, b, h, dv] x 2, [n, b, h]
+    # [n, b, h, dqk], [n, b, h, dv] x 2, [n, b, h]. q (the forward's input: possibly a view of
+    # Megatron's fused QKV) and dO (autograd's, any strides) are broadcast and sent around
+    # the sub-ring: dense once here, not at every send.
+    own_side = [q.contiguous(), dout.contiguous(), out, lse]
     kv_segments = team_segments(groups, docs, topo.kv_team_at_step(pos, 0))
     reducer = _ReverseReduce(comm, groups, ReverseInitialSend(comm, topo, pos, None, kv_init.bounds))
     lanes = sub_ring_lanes(topo, pos, ctx.transfer)

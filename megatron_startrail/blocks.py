@@ -92,10 +92,16 @@ def add_rows(dst: torch.Tensor, src: torch.Tensor, ranges: tuple[tuple[int, int]
 
 
 def _rows(x: torch.Tensor, call: KernelCall, side: str, dim: int = 0) -> torch.Tensor:
-    """The call's query (``side="q"``) or key rows of ``x`` along ``dim``: a view, or one gather."""
+    """The call's query (``side="q"``) or key rows of ``x`` along ``dim``: a view, or one gather.
+
+    Every block kernel needs the last dim dense (flash-attn refuses anything else; PyTorch's
+    CPU op reads garbage): a view whose last dim is strided (a producer's transposed
+    storage) is copied here, where it enters a kernel. Megatron's views (slices of the fused
+    QKV along the last dim, sequence/batch transposes) keep it dense and pass as views."""
     run = call.q_slice if side == "q" else call.k_slice
     if run is not None:
-        return x.narrow(dim, run[0], run[1] - run[0])
+        rows = x.narrow(dim, run[0], run[1] - run[0])
+        return rows if rows.stride(-1) == 1 else rows.contiguous()
     return x.index_select(dim, call.tensor(side + "_index", x.device))
 
 

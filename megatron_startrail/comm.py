@@ -129,6 +129,13 @@ class Communicator:
         transfer that runs concurrently with another chain of rounds (so it adds no
         sequential step of its own). Messages carry no tag: peers match them in posting order.
         """
+        # NCCL and gloo move a tensor's storage as one dense block: a strided view (q of a
+        # fused QKV, a transposed dO) is sent as a dense copy, and a receive must land in a
+        # dense buffer (the schedule allocates every buffer, so one that is not is a bug).
+        sends = [(t.contiguous(), peer) for t, peer in sends]
+        for t, _ in recvs:
+            if not t.is_contiguous():
+                raise ValueError(f"{op}: a receive buffer of shape {tuple(t.shape)} is not contiguous")
         ranks = self.transport.p2p_ranks
         for t, peer in sends:
             nbytes = _nbytes(t)
@@ -172,12 +179,15 @@ class Communicator:
 
     def broadcast(self, x: torch.Tensor, group, group_size: int, *, src: int, mine: bool, op: str,
                   wait: bool = True):
-        """``x`` of group rank ``src`` to every rank of the group, in place (``mine``: this rank is
-        ``src``). Counted as a bandwidth-optimal broadcast: the source sends ``(n-1) N``, every
-        other rank receives ``N``; a round of ``n`` broadcasts, one from each rank, then counts
-        what one all-gather of ``N`` per rank does."""
+        """``x`` of group rank ``src`` to every rank of the group (``mine``: this rank is ``src``),
+        in place when ``x`` is contiguous, else through a dense copy (on the source) or a dense
+        buffer (elsewhere); use the returned tensor. Counted as a bandwidth-optimal broadcast:
+        the source sends ``(n-1) N``, every other rank receives ``N``; a round of ``n``
+        broadcasts, one from each rank, then counts what one all-gather of ``N`` per rank does."""
         if group_size == 1:
             return self._done(x, wait)
+        if not x.is_contiguous():
+            x = x.contiguous() if mine else torch.empty(x.shape, dtype=x.dtype, device=x.device)
         if mine:
             moved = (group_size - 1) * _nbytes(x)
             self.stats.collective_bytes_sent += moved
