@@ -5,6 +5,9 @@ MLA head dims at the kernel level, and the CPU-executable parts of the CUDA adap
 import argparse
 import functools
 import itertools
+import logging
+import re
+import sys
 import types
 import warnings
 
@@ -24,7 +27,8 @@ from megatron_startrail.kernels import (
     kernel_constraint,
     kernel_for,
 )
-from megatron_startrail.kernels.flash_attn import FlashAttn3Kernel, FlashAttnKernel, call_by_name
+from megatron_startrail.kernels import builds
+from megatron_startrail.kernels.flash_attn import FlashAttnKernel, call_by_name
 from megatron_startrail.kernels.padding import (
     EqualHeadDimsKernel,
     common_head_dim,
@@ -36,8 +40,10 @@ from megatron_startrail.kernels.padding import (
 from megatron_startrail.kernels.torch_cuda import TorchCUDACudnnKernel, TorchCUDAEfficientKernel, TorchCUDAFlashKernel
 from megatron_startrail.megatron.arguments import add_startrail_args
 from megatron_startrail.layout import KernelCall
+from tests import flash_attn_fakes
 from tests.attention_cases import TOLERANCE, reference_with_grads, relative_error
 from tests.multiproc import run_ranks
+from tests.test_kernels_and_merge import float64_call
 
 ALL = frozenset(BACKENDS)
 TORCH_ONLY = frozenset({"torch_flash", "torch_efficient", "torch_cudnn"})
@@ -253,83 +259,131 @@ def _reference_varlen(q, k, v, cu_q, cu_k, window):
     return call, [x.unsqueeze(1) for x in (q, k, v)]
 
 
-def _fake_flash_interface(version):
-    """A stand-in flash-attn module (variable length, [total, h, d], GQA) backed by the
-    reference kernel, with the signatures of flash-attn 2.7 (``version=2``) or 3.x (``3``)."""
-    ref = ReferenceKernel()
-
-    def window_of(causal, window_size):
-        return (-1, 0) if causal else tuple(window_size)
-
-    def fwd(q, k, v, cu_q, cu_k, softmax_scale, window):
-        assert q.stride(-1) == 1 and q.shape[-1] % 8 == 0 and q.shape[-1] == v.shape[-1]
-        call, (q4, k4, v4) = _reference_varlen(q, k, v, cu_q, cu_k, window)
-        out, lse = ref.forward(q4, k4, v4, call, scale=softmax_scale)
-        return out.squeeze(1), lse.squeeze(0)  # [total, h, d], [h, total]
-
-    def bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_q, cu_k, softmax_scale, window):
-        call, (q4, k4, v4) = _reference_varlen(q, k, v, cu_q, cu_k, window)
-        g = ref.backward(dout.unsqueeze(1), q4, k4, v4, out.unsqueeze(1), softmax_lse.unsqueeze(0), call,
-                         scale=softmax_scale)
-        for dst, src in zip((dq, dk, dv), g):
-            dst.copy_(src.squeeze(1))
-
-    if version == 2:
-        def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                                   softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                                   alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None):
-            out, lse = fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_of(causal, window_size))
-            return (out, lse, None) if return_attn_probs else out
-
-        def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
-                                        max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-                                        window_size_left, window_size_right, softcap, alibi_slopes, deterministic,
-                                        rng_state=None, zero_tensors=False):
-            assert dropout_p == 0.0 and alibi_slopes is None and max_seqlen_q == int((cu_seqlens_q.diff()).max())
-            bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, softmax_scale,
-                window_of(causal, (window_size_left, window_size_right)))
-
-        return types.SimpleNamespace(flash_attn_varlen_func=flash_attn_varlen_func,
-                                     _flash_attn_varlen_backward=_flash_attn_varlen_backward, __name__="fa2")
-
-    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
-                               seqused_k=None, softmax_scale=None, causal=False, qv=None, q_descale=None,
-                               k_descale=None, v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0,
-                               num_splits=1, pack_gqa=None, deterministic=False, sm_margin=0,
-                               return_attn_probs=False):
-        out, lse = fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_of(causal, window_size))
-        return (out, lse) if return_attn_probs else out
-
-    def _flash_attn_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, sequed_q, sequed_k,
-                             max_seqlen_q, max_seqlen_k, dq, dk, dv, softmax_scale, is_causal,
-                             window_size_left=-1, window_size_right=-1, softcap=0.0, deterministic=False,
-                             sm_margin=0):
-        assert sequed_q is None and max_seqlen_k == int((cu_seqlens_k.diff()).max())
-        bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, softmax_scale,
-            window_of(is_causal, (window_size_left, window_size_right)))
-
-    return types.SimpleNamespace(flash_attn_varlen_func=flash_attn_varlen_func,
-                                 _flash_attn_backward=_flash_attn_backward, __name__="fa3")
+# flash-attn builds as their documented API gives them (tests/flash_attn_fakes.py): which one
+# the probe keeps, and the adapters against each kept one.
+FLASH_BUILDS = [("flash_attn", "2.6.3"), ("flash_attn", "2.8.3"), ("flash_attn_3", "2025-06-30"),
+                ("flash_attn_3", "2025-08-29")]
 
 
-@pytest.mark.parametrize("version", [2, 3])
+def flash_kernel(monkeypatch, backend, build):
+    """``make_kernel(backend)`` bound to the fake ``build`` installed in sys.modules."""
+    installed = flash_attn_fakes.install(monkeypatch, **{"fa2" if backend == "flash_attn" else "fa3": build})
+    kernel = kernels.make_kernel(backend)
+    assert kernel._interface is installed[backend]
+    return kernel
+
+
+@pytest.mark.parametrize("backend, build", FLASH_BUILDS, ids=str)
 @pytest.mark.parametrize("dqk, dv", [(24, 16), (16, 16)])
-@pytest.mark.parametrize("window", [(-1, 0), (-1, -1), (3, 0), (0, -1)], ids=str)
-def test_flash_attn_adapters_layout_and_backward_arguments(version, dqk, dv, window):
-    kernel = object.__new__(FlashAttnKernel if version == 2 else FlashAttn3Kernel)
-    kernel._interface = _fake_flash_interface(version)
+@pytest.mark.parametrize("window", [(-1, 0), (-1, -1), (3, 0), (0, -1), (2, 1)], ids=str)
+def test_flash_attn_adapters_against_documented_builds(monkeypatch, backend, build, dqk, dv, window):
+    # GQA, MLA padding, batch 2 folded into the rows, unequal sequences; float64 against the
+    # independent call reference (flash_rule, autograd).
+    kernel = flash_kernel(monkeypatch, backend, build)
     gen = torch.Generator().manual_seed(11)
     call = varlen([(10, 10), (4, 9), (7, 12)], window)
-    b, h, kvh = 2, 4, 2  # batch 2: folded into the rows, every sequence once per sample
+    b, h, kvh = 2, 4, 2
     q, k, v, dout = (torch.randn(shape, generator=gen, dtype=torch.float64)
                      for shape in [(21, b, h, dqk), (31, b, kvh, dqk), (31, b, kvh, dv), (21, b, h, dv)])
-    ref = ReferenceKernel()
-    want_out, want_lse = ref.forward(q, k, v, call, scale=0.25)
-    want = ref.backward(dout, q, k, v, want_out, want_lse, call, scale=0.25)
+    want_out, want_lse, *want = float64_call(q, k, v, dout, call, 0.25)
     out, lse = kernel.forward(q, k, v, call, scale=0.25)
     grads = kernel.backward(dout, q, k, v, out, lse, call, scale=0.25)
     for got, ref_t in zip((out, lse, *grads), (want_out, want_lse, *want)):
         assert got.shape == ref_t.shape and relative_error(got, ref_t) <= 1e-12
+
+
+def test_flash_attn_adapter_refuses_what_an_unchecked_build_returns(monkeypatch):
+    # A defence behind the probe: an old lse layout or no lse stops the call, naming why.
+    q = torch.randn(8, 1, 2, 16, dtype=torch.float64)
+    call = one_sequence(8, 8, True)
+    old = flash_kernel(monkeypatch, "flash_attn", "2.5.9")
+    with pytest.raises(RuntimeError, match=re.escape("flash-attn >= 2.6 returns [heads, total_q]")):
+        old.forward(q, q, q, call, scale=0.3)
+    no_lse = flash_kernel(monkeypatch, "flash_attn_3", "2025-08-01")
+    with pytest.raises(RuntimeError, match="returned no log-sum-exp"):
+        no_lse.forward(q, q, q, call, scale=0.3)
+
+
+# --- the build probe: each backend's version and features, checked once per process -----------
+
+@pytest.fixture
+def fresh_probe(monkeypatch, caplog):
+    """An H100 as the probe sees it (sm90, torch's flash op), no cuDNN, empty probe caches; yields
+    pytest's log capture."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: False)
+    caches = (kernels._usable_cuda_backends, builds.build_problem, builds._log_once)
+    for cache in caches:
+        cache.cache_clear()
+    caplog.set_level(logging.WARNING, logger=builds.__name__)
+    yield caplog
+    for cache in caches:
+        cache.cache_clear()
+
+
+def probe_lines(caplog):
+    return [r.getMessage() for r in caplog.records if r.name == builds.__name__]
+
+
+def test_flash_attn_2_older_than_2_6_is_skipped_once_naming_version_and_lse_layout(monkeypatch, fresh_probe):
+    flash_attn_fakes.install(monkeypatch, fa2="2.5.9")
+    usable = kernels._usable_cuda_backends(0)
+    assert usable == {"torch_flash", "torch_efficient"}  # flash-attn dropped; FA3 not installed: not a candidate
+    kernels._usable_cuda_backends.cache_clear()  # a second probe (another device, say) logs nothing new
+    assert kernels._usable_cuda_backends(0) == usable
+    [line] = probe_lines(fresh_probe)
+    assert "flash-attn 2.5.9" in line and "lse layout" in line and ">= 2.6" in line
+    assert choose_kernel(req(available=usable)).name == "torch_cuda_flash"
+
+
+@pytest.mark.parametrize("version", [None, "unknown"])
+def test_flash_attn_2_without_a_version_is_skipped(monkeypatch, fresh_probe, version):
+    flash_attn_fakes.install(monkeypatch, fa2="2.8.3")
+    sys.modules["flash_attn"].__version__ = version
+    assert "flash_attn" not in kernels._usable_cuda_backends(0)
+    [line] = probe_lines(fresh_probe)
+    assert "flash-attn" in line and "a version to read" in line
+
+
+def test_flash_attn_3_build_without_lse_is_skipped_and_auto_falls_back(monkeypatch, fresh_probe):
+    # 2025-07-11 .. 08-28: no return_attn_probs parameter, and one trial call returns out only.
+    flash_attn_fakes.install(monkeypatch, fa2="2.8.3", fa3="2025-08-01")
+    usable = builds.usable_builds({"flash_attn_3", "flash_attn", "torch_flash", "torch_efficient"}, torch.device("cpu"))
+    assert usable == {"flash_attn", "torch_flash", "torch_efficient"}
+    [line] = probe_lines(fresh_probe)
+    assert "flash_attn_3 3.0.0b1" in line and "lse returned" in line and "2025-08-29" in line
+    assert choose_kernel(req(available=usable)).name == "flash_attn"
+    with pytest.raises(ValueError, match="--startrail-kernel flash_attn_3 .*not usable"):
+        choose_kernel(req(available=usable), "flash_attn_3")
+
+
+@pytest.mark.parametrize("build, trial", [("2025-06-30", True), ("2025-08-29", False)])
+def test_good_flash_attn_builds_are_used(monkeypatch, fresh_probe, build, trial):
+    # Before 07-11 FA3 always returned (out, lse): a trial call shows it; from 08-29 the
+    # signature does (return_attn_probs), and nothing runs.
+    installed = flash_attn_fakes.install(monkeypatch, fa2="2.6.3", fa3=build)
+    calls = []
+    forward = installed["flash_attn_3"].flash_attn_varlen_func
+    monkeypatch.setattr(installed["flash_attn_3"], "flash_attn_varlen_func",
+                        functools.wraps(forward)(lambda *a, **kw: calls.append(1) or forward(*a, **kw)))
+    usable = builds.usable_builds({"flash_attn_3", "flash_attn", "torch_efficient"}, torch.device("cpu"))
+    assert usable == {"flash_attn_3", "flash_attn", "torch_efficient"} and not probe_lines(fresh_probe)
+    assert len(calls) == trial
+    builds.usable_builds({"flash_attn_3"}, torch.device("cpu"))
+    assert len(calls) == trial  # checked once
+    assert choose_kernel(req(available=usable)).name == "flash_attn_3"
+    assert kernels.make_kernel("flash_attn_3")._interface is installed["flash_attn_3"]
+
+
+def test_every_gpu_backend_states_its_minimum_and_features():
+    assert set(builds.NEEDS) == set(BACKENDS)
+    assert builds.NEEDS["flash_attn"].minimum == (2, 6) and "lse layout" in builds.NEEDS["flash_attn"].features
+    assert all(needs.minimum and needs.features for needs in builds.NEEDS.values())
+    assert builds.version_tuple("2.6.3.post1") == (2, 6, 3) and builds.version_tuple("3.0.0.b1") == (3, 0, 0)
+    assert builds.version_tuple("dev") is None
+    # This CPU build of torch passes the torch checks (the flash op's lse layout read from its meta kernel).
+    assert all(builds.build_problem(b, "cpu") is None for b in ("torch_flash", "torch_efficient", "torch_cudnn"))
 
 
 @torch.library.custom_op("startrail_test::fake_flash_backward", mutates_args=("dq",), device_types="cpu")
@@ -526,7 +580,7 @@ def test_deterministic_mode_reaches_the_kernels(monkeypatch):
     assert config_from_args(args).deterministic is True
     assert kernels.make_kernel("reference", deterministic=True).deterministic is True
     seen = []
-    interface = _fake_flash_interface(2)
+    _, interface = flash_attn_fakes.flash_attn_2("2.8.3")
     forward, backward = interface.flash_attn_varlen_func, interface._flash_attn_varlen_backward
 
     def recording(name, fn):

@@ -1,8 +1,9 @@
 """Block kernels behind one interface, and the choice of one for an attention call.
 
 :func:`kernel_for` is what the schedule calls: it probes which backends this device can
-use (:func:`usable_backends`, once per device), applies the pure rules of
-:func:`~megatron_startrail.kernels.selection.choose_kernel`, and builds the kernel.
+use (:func:`usable_backends`, once per device: importable, fit for the device's capability,
+and the installed build's version and behaviour checked by :mod:`.builds`), applies the pure
+rules of :func:`~megatron_startrail.kernels.selection.choose_kernel`, and builds the kernel.
 :func:`check_kernel` runs the same rules without building anything; ``check_inputs``
 calls it so that a forced kernel that cannot take the inputs fails before any
 communication.
@@ -17,6 +18,7 @@ import warnings
 import torch
 
 from .base import BlockKernel
+from .builds import usable_builds
 from .reference import ReferenceKernel
 from .selection import BACKENDS, KERNELS, RULES, KernelChoice, KernelRequest, choose_kernel, kernel_constraint
 from .torch_cpu import TorchCPUFlashKernel
@@ -32,6 +34,7 @@ def _importable(module: str) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _usable_cuda_backends(index: int) -> frozenset[str]:
+    # What the device could run, then what the installed builds do (an unfit build: one log line).
     major, minor = torch.cuda.get_device_capability(index)
     usable = {"torch_efficient"}
     if major >= 8 and torch.backends.cuda.is_flash_attention_available():
@@ -42,7 +45,7 @@ def _usable_cuda_backends(index: int) -> frozenset[str]:
         usable.add("flash_attn")
     if (major, minor) == (9, 0) and _importable("flash_attn_interface"):
         usable.add("flash_attn_3")
-    return frozenset(usable)
+    return usable_builds(usable, torch.device("cuda", index))
 
 
 def usable_backends(device: torch.device) -> frozenset[str]:

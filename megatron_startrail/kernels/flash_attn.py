@@ -5,8 +5,8 @@ A call (Note [kernel calls] in :mod:`megatron_startrail.layout`) is ONE
 ``flash_attn_varlen_func``: the call's sequences with their ``cu_seqlens`` (made once per
 call and device) and its window, whose rule is the one the planner writes calls for. Both
 take ``[total, h, d]`` (the batch folded into the rows), GQA natively, return lse
-``[h, total]`` float32, and need one head dim for q, k and v (a multiple of 8): MLA
-shapes are padded inside the call. Their private backward functions changed parameters
+``[h, total]`` float32 (flash-attn >= 2.6; :mod:`.builds` checks each build once), and need
+one head dim for q, k and v (a multiple of 8): MLA shapes are padded inside the call. Their private backward functions changed parameters
 across releases (window, softcap, varlen, sm_margin arguments), so they are called by
 parameter name -- the names looked up once per function -- with the neutral value for
 each parameter this project does not use.
@@ -79,12 +79,13 @@ class _FlashAttnVarlen:
         res = call_by_name(self._interface.flash_attn_varlen_func, q=fold_batch(q), k=fold_batch(k),
                            v=fold_batch(v), softmax_scale=scale, return_attn_probs=True,
                            deterministic=self._deterministic(), **args)
-        if isinstance(res, torch.Tensor):  # a release that returns out only: no lse to merge with
-            raise RuntimeError(f"{self._interface.__name__}.flash_attn_varlen_func returned no log-sum-exp")
+        if isinstance(res, torch.Tensor):  # a defence: builds.py keeps such builds out of the usable set
+            raise RuntimeError(f"{self._interface.__name__}.flash_attn_varlen_func returned no log-sum-exp "
+                               "(flash-attn 3 builds of 2025-07-11 .. 2025-08-28 do; use one from 2025-08-29 on)")
         out, lse = res[0], res[1]  # 2.x: (out, lse, S_dmask); 3.x: (out, lse)
         if lse.dim() != 2:
             raise RuntimeError(f"{self._interface.__name__}: variable-length lse of shape {tuple(lse.shape)}; "
-                               "flash-attn >= 2.4 returns [heads, total_q]")
+                               "flash-attn >= 2.6 returns [heads, total_q]")
         return unfold_batch(out, b), unfold_lse(lse, b)
 
     def backward(self, dout, q, k, v, out, lse, call, *, scale):

@@ -29,8 +29,9 @@ HALF = (torch.bfloat16, torch.float16)
 
 # What a backend name in ``KernelRequest.available`` stands for (used in error messages).
 BACKENDS = {
-    "flash_attn_3": "flash-attn 3 (the `flash_attn_interface` module of flash-attn's hopper/ build, on sm90)",
-    "flash_attn": "flash-attn 2.x (`pip install flash-attn`, sm80+)",
+    "flash_attn_3": ("flash-attn 3 (the `flash_attn_interface` module of flash-attn's hopper/ build, on sm90; "
+                     "not a build of 2025-07-11 .. 08-28, which returns no lse)"),
+    "flash_attn": "flash-attn 2.x >= 2.6 (`pip install flash-attn`, sm80+)",
     "torch_flash": "PyTorch's FlashAttention op (a CUDA build of torch, sm80+)",
     "torch_efficient": "PyTorch's memory-efficient attention op (a CUDA build of torch)",
     "torch_cudnn": "PyTorch's cuDNN attention op (cuDNN >= 9 in the torch build, sm80+)",
