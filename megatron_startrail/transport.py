@@ -2,7 +2,8 @@
 
 Every P2P transfer and collective of the attention goes through a :class:`Transport`
 (accounting stays in :class:`~megatron_startrail.comm.Communicator`). The implementation
-follows the process group's backend, never a flag:
+follows the process group's backend, never a flag (for a group of several backends, such as
+"cpu:gloo,cuda:nccl", the backend of the device the attention runs on):
 
 - :class:`GlooTransport` (CPU). gloo runs both directions of a rank pair on one TCP
   connection, where a pair exchange (one message each way) serialises; transfers to a
@@ -173,17 +174,37 @@ class NcclTransport(Transport):
 TRANSPORTS = {"gloo": GlooTransport, "nccl": NcclTransport}
 
 
-def transport_for(groups: dict, p2p_ranks: tuple[int, ...], audit=None) -> Transport:
-    """The transport of the StarTrail group's backend (with ``audit``, a
+def backend_for_device(backend: str, device_type: str) -> str:
+    """The backend that carries ``device_type`` tensors in a process group's backend string:
+    "gloo" and "nccl" carry every device; a group created for several devices reports them
+    as pairs, "cpu:gloo,cuda:nccl" (``dist.get_backend``), and each device's tensors take
+    the backend of their pair. ValueError naming the string when none is for ``device_type``."""
+    if ":" not in backend:
+        return backend
+    pairs = dict(part.strip().split(":", 1) for part in backend.split(","))
+    if device_type not in pairs:
+        raise ValueError(f"StarTrail's attention runs on {device_type} tensors, but its process group's backend "
+                         f"{backend!r} has none for {device_type} (it has: {', '.join(sorted(pairs))}); create the "
+                         f"groups with a backend for {device_type} (gloo for cpu, nccl for cuda)")
+    return pairs[device_type]
+
+
+def transport_for(groups: dict, p2p_ranks: tuple[int, ...], audit=None, device_type: str | None = None) -> Transport:
+    """The transport of the StarTrail group's backend for ``device_type`` (default: cuda when
+    there is a GPU, as Megatron runs; else cpu). With ``audit``, a
     :class:`~megatron_startrail.nccl_rules.RuleAudit`, every operation is checked against
-    NCCL's rules as well)."""
+    NCCL's rules as well."""
     group = groups.get("startrail")
-    backend = str(dist.get_backend(group)).lower()
-    if "fake" in backend:  # torch's no-op group (e.g. "cpu:fake,meta:fake"): one process standing in for any rank (benchmarks/gpu_check)
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    reported = str(dist.get_backend(group)).lower()
+    if "fake" in reported:  # torch's no-op group (e.g. "cpu:fake,meta:fake"): one process standing in for any rank (benchmarks/gpu_check)
+        backend = "nccl" if device_type == "cuda" else "gloo"
+    else:
+        backend = backend_for_device(reported, device_type)
     cls = TRANSPORTS.get(backend)
     if cls is None:
-        raise ValueError(f"StarTrail has no transport for the {backend!r} backend; use gloo (CPU) or nccl (GPU)")
+        raise ValueError(f"StarTrail has no transport for the {backend!r} backend (the group reports {reported!r}); "
+                         "use gloo (CPU) or nccl (GPU)")
     if audit is not None:
         from .nccl_rules import checked  # noqa: PLC0415 - the checking mode only
 

@@ -1,0 +1,51 @@
+"""Which transport a process group gets from its backend string, mixed strings included
+(``dist.get_backend`` of a group created for CPU and CUDA says "cpu:gloo,cuda:nccl"). No
+process group and no GPU: the backend string is what is under test."""
+
+import pytest
+import torch.distributed as dist
+
+from megatron_startrail import transport
+from megatron_startrail.transport import GlooTransport, NcclTransport, backend_for_device, transport_for
+
+
+def transport_of(monkeypatch, reported, device_type):
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: reported)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    return transport_for({"startrail": object()}, (0, 1), device_type=device_type)
+
+
+@pytest.mark.parametrize("reported, device_type, expected", [
+    ("gloo", "cpu", GlooTransport),
+    ("nccl", "cuda", NcclTransport),
+    ("cpu:gloo,cuda:nccl", "cuda", NcclTransport),  # the attention's CUDA tensors go through NCCL
+    ("cpu:gloo,cuda:nccl", "cpu", GlooTransport),
+    ("cuda:nccl,cpu:gloo", "cpu", GlooTransport),  # order does not matter
+    ("cpu:fake,meta:fake", "cpu", GlooTransport),  # torch's no-op group stands in for either
+])
+def test_transport_follows_the_backend_of_the_attention_device(monkeypatch, reported, device_type, expected):
+    assert type(transport_of(monkeypatch, reported, device_type)) is expected
+
+
+def test_the_default_device_is_cuda_when_there_is_a_gpu(monkeypatch):
+    monkeypatch.setattr(transport.torch.cuda, "is_available", lambda: True)
+    assert type(transport_of(monkeypatch, "cpu:gloo,cuda:nccl", None)) is NcclTransport
+    monkeypatch.setattr(transport.torch.cuda, "is_available", lambda: False)
+    assert type(transport_of(monkeypatch, "cpu:gloo,cuda:nccl", None)) is GlooTransport
+
+
+@pytest.mark.parametrize("reported, device_type, words", [
+    ("cpu:gloo", "cuda", ["'cpu:gloo'", "none for cuda", "it has: cpu"]),
+    ("cuda:nccl", "cpu", ["'cuda:nccl'", "none for cpu"]),
+    ("cpu:gloo,cuda:ucc", "cuda", ["'ucc'", "'cpu:gloo,cuda:ucc'", "gloo (CPU) or nccl (GPU)"]),
+    ("mpi", "cpu", ["'mpi'"]),
+])
+def test_no_fitting_backend_is_a_clear_error(monkeypatch, reported, device_type, words):
+    with pytest.raises(ValueError) as error:
+        transport_of(monkeypatch, reported, device_type)
+    assert all(word in str(error.value) for word in words), str(error.value)
+
+
+def test_backend_for_device_reads_each_pair():
+    assert backend_for_device("cpu:gloo, cuda:nccl", "cuda") == "nccl"
+    assert backend_for_device("nccl", "cpu") == "nccl"  # one backend: it carries every device
