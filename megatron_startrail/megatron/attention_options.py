@@ -95,6 +95,13 @@ UNSUPPORTED = (
         "set fp8_multi_head_attention=False",
     ),
     AttentionOption(
+        "cp_comm_type", "--cp-comm-type",
+        lambda v: any(t != "p2p" for t in ([v] if isinstance(v, str) else v)),  # Megatron's default: p2p (a list per layer too)
+        "it picks how Megatron's own context parallelism communicates (all-gather, all-to-all, "
+        "hierarchical); StarTrail replaces that attention and would ignore it",
+        "drop --cp-comm-type (keep its default p2p) and use --ulysses-degree-in-cp U for the all-to-all part",
+    ),
+    AttentionOption(
         "experimental_attention_variant", "--experimental-attention-variant",
         lambda v: v is not None,
         "DSA sparse attention and gated delta-net linear attention are other attentions than softmax "

@@ -178,6 +178,10 @@ UNSUPPORTED_ATTENTION_FLAGS = [
     (["--cuda-graph-impl", "transformer_engine"], "--cuda-graph-impl transformer_engine"),
     (["--cuda-graph-impl", "full_iteration"], "--cuda-graph-impl full_iteration"),
     (["--enable-cuda-graph"], "--enable-cuda-graph"),
+    # Megatron's own CP communication (accepted and ignored before): StarTrail's all-to-all is Ulysses
+    (["--cp-comm-type", "a2a"], "--cp-comm-type a2a"),
+    (["--cp-comm-type", "allgather"], "--cp-comm-type allgather"),
+    (["--cp-comm-type", "p2p", "a2a"], "--cp-comm-type p2p,a2a"),  # one per layer
 ]
 
 
@@ -200,6 +204,18 @@ def test_attention_options_startrail_implements_are_accepted(monkeypatch):
         validate_startrail_args(parse(monkeypatch, "--context-parallel-size", "4", "--context-parallel-algo",
                                       "startrail", "--startrail-team-size", "2", *flags))
     validate_startrail_args(parse(monkeypatch, "--context-parallel-size", "4", "--window-size", "32,0"))
+
+
+def test_cp_comm_type_names_ulysses_for_the_all_to_all_and_its_default_is_accepted(monkeypatch):
+    args = parse(monkeypatch, "--context-parallel-size", "4", "--context-parallel-algo", "startrail",
+                 "--cp-comm-type", "a2a")
+    with pytest.raises(ValueError, match=r"--cp-comm-type a2a: .*--ulysses-degree-in-cp U for the all-to-all part"):
+        validate_startrail_args(args)
+    for flags in ([], ["--cp-comm-type", "p2p"], ["--cp-comm-type", "p2p", "p2p"]):  # Megatron's default, any form
+        validate_startrail_args(parse(monkeypatch, "--context-parallel-size", "4", "--context-parallel-algo",
+                                      "startrail", "--startrail-team-size", "2", *flags))
+    # Megatron's own CP keeps every --cp-comm-type
+    validate_startrail_args(parse(monkeypatch, "--context-parallel-size", "4", "--cp-comm-type", "a2a"))
 
 
 def test_mla_with_packed_documents_is_accepted(monkeypatch):
