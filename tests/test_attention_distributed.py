@@ -124,9 +124,11 @@ def test_both_backward_rotations_are_exact_and_auto_picks_the_cheaper():
 
 def determinism_worker(rank, world_size):
     groups = new_startrail_groups(team_size=2)
-    runs = [run_case(groups, rank, world_size, True, 2, torch.float32, 3)[2] for _ in range(2)]
-    return all(torch.equal(a, b) for a, b in zip(*runs))
+    runs = [run_case(groups, rank, world_size, True, 2, torch.float32, 3) for _ in range(2)]
+    errors = max(err for run in runs for err in run[0].values())
+    return errors, all(torch.equal(a, b) for a, b in zip(runs[0][2], runs[1][2]))
 
 
-def test_two_runs_are_bitwise_equal():
-    assert all(run_ranks(determinism_worker, 8))
+def test_two_runs_are_bitwise_equal_and_exact():
+    for errors, equal in run_ranks(determinism_worker, 8):
+        assert errors <= TOLERANCE[torch.float32] and equal, (errors, equal)

@@ -4,7 +4,7 @@ the measured peak (benchmarks/peak_memory.py: CPU allocator events, forked gloo 
 import pytest
 
 from benchmarks.peak_memory import run
-from megatron_startrail.accounting import AttentionShape, kept_for_backward_bytes
+from megatron_startrail.accounting import AttentionShape
 from megatron_startrail.planning.memory_model import activation_peak_bytes, layer_memory_bytes
 
 SHAPE = AttentionShape(256, 1, 4, 4, 32, 4)
@@ -53,13 +53,21 @@ def test_team_buffers_grow_with_the_team(cp_size, team_size):
     assert team["peak"] == max(team["forward_peak"], team["backward_peak"])
 
 
-def test_the_planner_peak_is_every_layers_kept_plus_one_transient():
-    for layers in (1, 4):
-        for regather in (False, True):
-            kept = kept_for_backward_bytes(SHAPE, ulysses_size=1, team_size=2, regather_in_backward=regather)
-            layer = layer_memory_bytes(SHAPE, cp_size=8, team_size=2, regather_in_backward=regather)
-            got = activation_peak_bytes(SHAPE, layers=layers, cp_size=8, team_size=2, regather_in_backward=regather)
-            assert got == layers * kept + layer["peak"] - layer["kept"]
+def test_each_layer_adds_what_one_layer_is_measured_to_keep(measured):
+    # The planner's peak over L layers grows per layer by what a layer keeps for its backward.
+    # Measured: the bytes autograd saved for one layer (benchmarks/peak_memory.py), without the
+    # inputs q, k, v; the layer keeps them too where its backward reads them -- all three for
+    # ring attention and regathering, q alone for rotation "q" (the team's K, V and the
+    # gathered Q otherwise). Each is one rank's [256, 1, 4, 32] float32 share.
+    share = 256 * 1 * 4 * 32 * 4
+    inputs_kept = {"ring": 3, "startrail-2": 0, "startrail-2-regather": 3, "startrail-2 (rotation q)": 1,
+                   "startrail-2-regather (rotation q)": 3}
+    shape = AttentionShape(1024 // 4, 1, 4, 4, 32, 4)
+    for row in measured:
+        kw = dict(cp_size=4, team_size=row["team_size"], regather_in_backward=row["regather"],
+                  rotation=row["rotation"])
+        growth = activation_peak_bytes(shape, layers=3, **kw) - activation_peak_bytes(shape, layers=2, **kw)
+        assert growth == row["kept_bytes"] + inputs_kept[row["config"]] * share, (row["config"], growth, row)
     # Regathering trades kept bytes for transient ones: it pays with enough layers only.
     with_, without = (activation_peak_bytes(SHAPE, layers=16, cp_size=8, team_size=2, regather_in_backward=r)
                       for r in (True, False))
