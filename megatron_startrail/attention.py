@@ -6,7 +6,7 @@ Forward on StarTrail position ``r`` (team ``t``, member ``m``; docs/design.md, "
     2. initial send          team K, V to init_send_dst(r), in C pieces  (paper Alg. 2)
                              (one per member's n rows)
     3. sub-ring, G steps     attend team queries to the K, V held, pass
-                             K, V to ring_next; step 0 takes each piece   (paper Alg. 3)
+                             K, V to the next; step 0 takes each piece   (paper Alg. 3)
                              of phase 2 as it lands: wait, pass on, attend
     4. team merge            partial (out, lse) of the team's queries ->
                              each member merges its own rows in float32   (reduce-scatter

@@ -26,7 +26,6 @@ import torch.distributed as dist
 from . import nccl_rules
 from .comm import CommStats
 from .config import StarTrailConfig
-from .layout import startrail_position_chunks
 from .microbatch import MicroBatchCache
 from .topology import StarTrailTopology, check_team_size
 from .transport import ROLES, Transport, transport_for
@@ -96,10 +95,6 @@ class StarTrailGroups:
     @property
     def kernel(self) -> str:
         return self.config.kernel
-
-    def position_chunks(self, position: int) -> tuple[int, ...]:
-        """Global chunk indices StarTrail position ``position`` holds (after Ulysses)."""
-        return startrail_position_chunks(position, self.ulysses_size, self.cp_size)
 
     def describe(self) -> str:
         t = self.topology

@@ -113,16 +113,6 @@ class StarTrailTopology:
         return self.position(j * c + m, group)
 
     # -- sub-rings (paper Alg. 3) ----------------------------------------------------
-    def ring_next(self, pos: int) -> int:
-        g = self.sub_ring_size
-        group, j = divmod(self.team_of(pos), g)
-        return self.position(group * g + (j + 1) % g, self.member_of(pos))
-
-    def ring_prev(self, pos: int) -> int:
-        g = self.sub_ring_size
-        group, j = divmod(self.team_of(pos), g)
-        return self.position(group * g + (j - 1) % g, self.member_of(pos))
-
     def sub_rings(self) -> list[list[int]]:
         """Every sub-ring's positions, in ring order (next of ring[i] is ring[i+1])."""
         c, g = self.team_size, self.sub_ring_size
@@ -136,20 +126,9 @@ class StarTrailTopology:
         """Team whose K, V position ``pos`` holds at sub-ring step ``step`` (0 .. G-1).
 
         Step 0 is what the initial send delivered (team ``j*C + m``); each step the K, V
-        move to ``ring_next``, so at step ``i`` position ``pos`` holds what its ``i``-th
+        move to the next position of the sub-ring, so at step ``i`` position ``pos`` holds what its ``i``-th
         predecessor received initially.
         """
         g = self.sub_ring_size
         j = self.team_of(pos) % g
         return ((j - step) % g) * self.team_size + self.member_of(pos)
-
-    def query_team_at_step(self, pos: int, step: int) -> int:
-        """Team whose queries ``pos`` holds at step ``step`` when queries rotate instead.
-
-        Used by the backward variant that keeps K, V fixed (paper 3.2.1): the team's
-        Q (with dO, out, lse) travels the sub-ring in the same direction as K, V do in
-        the forward.
-        """
-        g = self.sub_ring_size
-        group, j = divmod(self.team_of(pos), g)
-        return group * g + (j - step) % g

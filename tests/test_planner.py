@@ -22,7 +22,6 @@ from megatron_startrail.planning.planner import (
     BACKWARD_FLOPS_RATIO,
     Workload,
     choose_plan,
-    choose_team_size,
     cluster_from_args,
     overlapped_steps,
     plan,
@@ -226,12 +225,12 @@ def test_a_slow_inter_node_link_prefers_teams_and_fast_links_prefer_the_ring():
     slow = unlimited(nodes=2, gpus_per_node=8, intra_node_gbs=1.0, inter_node_gbs=50 / 8 / 1000)
     ring, st2 = (predict(slow, WORK, 16, c) for c in (1, 2))
     assert st2.internode_bytes < ring.internode_bytes and st2.time_s < ring.time_s
-    assert choose_team_size(cp_size=16, ulysses_size=1, gpus_per_node=8, seq_length=8192, num_heads=4,
-                            num_kv_heads=4, head_dim=32, micro_batch_size=1, dtype_bytes=4, cluster=slow) > 1
+    assert choose_plan(cp_size=16, ulysses_size=1, gpus_per_node=8, seq_length=8192, num_heads=4,
+                       num_kv_heads=4, head_dim=32, micro_batch_size=1, dtype_bytes=4, cluster=slow).team_size > 1
     compute_bound = preset(DEFAULT_CLUSTER, 2, attention_tflops=1e-3, overlap=1.0)
-    assert choose_team_size(cp_size=16, ulysses_size=1, gpus_per_node=8, seq_length=8192, num_heads=4,
-                            num_kv_heads=4, head_dim=32, micro_batch_size=1, dtype_bytes=4,
-                            cluster=compute_bound) == 1
+    assert choose_plan(cp_size=16, ulysses_size=1, gpus_per_node=8, seq_length=8192, num_heads=4,
+                       num_kv_heads=4, head_dim=32, micro_batch_size=1, dtype_bytes=4,
+                       cluster=compute_bound).team_size == 1
 
 
 def test_memory_limit_leaves_out_configurations_or_makes_them_regather():
@@ -272,6 +271,6 @@ def test_memory_limit_leaves_out_configurations_or_makes_them_regather():
                 for p in free.values() for regather, rotation in options if p.team_size > 1 or not regather)
     assert plan(cluster, work, 16, memory_limit_bytes=least - 1) == []
     with pytest.raises(ValueError, match="--startrail-memory-limit-gb"):
-        choose_team_size(cp_size=16, ulysses_size=1, gpus_per_node=8, seq_length=8192, num_heads=4, num_kv_heads=4,
-                         head_dim=32, micro_batch_size=1, dtype_bytes=4, cluster=cluster, layers=8,
-                         memory_limit_bytes=least - 1)
+        choose_plan(cp_size=16, ulysses_size=1, gpus_per_node=8, seq_length=8192, num_heads=4, num_kv_heads=4,
+                    head_dim=32, micro_batch_size=1, dtype_bytes=4, cluster=cluster, layers=8,
+                    memory_limit_bytes=least - 1)

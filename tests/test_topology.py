@@ -5,6 +5,7 @@ from collections import Counter
 import pytest
 
 from megatron_startrail.topology import StarTrailTopology, valid_team_sizes
+from megatron_startrail.transfer import sub_ring_lanes
 
 SIZES = [1, 2, 4, 8, 9, 16, 18, 32, 36, 64, 128, 256, 1024]
 
@@ -35,9 +36,16 @@ def test_backward_rotation_covers_the_same_pairs(topo):
     pairs = Counter()
     for pos in range(topo.size):
         for step in range(topo.sub_ring_size):
-            pairs[(topo.query_team_at_step(pos, step), topo.kv_team_at_step(pos, 0))] += 1
+            # The queries pos holds at ``step`` are those its sub-ring lane brought from ``origin``.
+            pairs[(topo.team_of(_ring_lane(topo, pos).origin(pos, step)), topo.kv_team_at_step(pos, 0))] += 1
     t = topo.num_teams
     assert pairs == Counter({(qt, kt): 1 for qt in range(t) for kt in range(t)})
+
+
+def _ring_lane(topo, pos):
+    """The sub-ring the schedule runs for ``pos`` (StarTrail's single ring)."""
+    (lane,) = sub_ring_lanes(topo, pos, "ring")
+    return lane
 
 
 @pytest.mark.parametrize("topo", list(all_topologies()), ids=lambda t: f"P{t.size}C{t.team_size}")
@@ -49,16 +57,17 @@ def test_initial_send_and_ring_are_consistent(topo):
         assert topo.init_send_src(dst[r]) == r
         # The K, V delivered initially is the sender's team.
         assert topo.kv_team_at_step(dst[r], 0) == topo.team_of(r)
-        assert topo.ring_prev(topo.ring_next(r)) == r
-        # K, V held at step i+1 is what ring_prev held at step i.
+        lane = _ring_lane(topo, r)
+        assert lane.prev(lane.next(r)) == r
+        # K, V held at step i+1 is what the previous position of the sub-ring held at step i.
         for step in range(topo.sub_ring_size - 1):
-            assert topo.kv_team_at_step(r, step + 1) == topo.kv_team_at_step(topo.ring_prev(r), step)
+            assert topo.kv_team_at_step(r, step + 1) == topo.kv_team_at_step(lane.prev(r), step)
     rings = topo.sub_rings()
     assert sorted(x for ring in rings for x in ring) == list(range(p))
     for ring in rings:
         assert len(ring) == topo.sub_ring_size
         for i, r in enumerate(ring):
-            assert topo.ring_next(r) == ring[(i + 1) % len(ring)]
+            assert _ring_lane(topo, r).next(r) == ring[(i + 1) % len(ring)]
             # A sub-ring stays inside one team group: consecutive teams, same member.
             assert topo.member_of(r) == topo.member_of(ring[0])
 
@@ -76,8 +85,8 @@ def test_paper_algorithms_literal_form():
             own_group = rt // group_size
             nxt = (rt + 1) % group_size + group_size * own_group
             lst = (rt - 1) % group_size + group_size * own_group
-            assert topo.ring_next(r) == ra + nxt * c
-            assert topo.ring_prev(r) == ra + lst * c
+            assert _ring_lane(topo, r).next(r) == ra + nxt * c
+            assert _ring_lane(topo, r).prev(r) == ra + lst * c
 
 
 def test_known_small_case():

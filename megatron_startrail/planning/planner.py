@@ -347,11 +347,6 @@ def plan(cluster: ClusterSpec, work: Workload, cp_size: int, *, transfers=("ring
     return sorted(out, key=lambda p: p.time_s)
 
 
-def choose_team_size(**kwargs) -> int:
-    """The team size of :func:`choose_plan` (same keywords)."""
-    return choose_plan(**kwargs).team_size
-
-
 def choose_plan(*, cp_size: int, ulysses_size: int, gpus_per_node: int, seq_length: int, num_heads: int,
                 num_kv_heads: int, head_dim: int, micro_batch_size: int, dtype_bytes: int,
                 cluster: ClusterSpec | None = None, v_head_dim: int | None = None, layers: int = 1,
