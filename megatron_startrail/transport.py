@@ -197,7 +197,8 @@ def transport_for(groups: dict, p2p_ranks: tuple[int, ...], audit=None, device_t
     group = groups.get("startrail")
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     reported = str(dist.get_backend(group)).lower()
-    if "fake" in reported:  # torch's no-op group (e.g. "cpu:fake,meta:fake"): one process standing in for any rank (benchmarks/gpu_check)
+    # torch's no-op group (e.g. "cpu:fake,meta:fake"): one process standing in for any rank (benchmarks/gpu_check)
+    if "fake" in reported:
         backend = "nccl" if device_type == "cuda" else "gloo"
     else:
         backend = backend_for_device(reported, device_type)

@@ -157,12 +157,12 @@ def _torch_flash_missing() -> list[str]:
 
 
 def _missing(backend: str, device) -> list[str]:
-    if backend == "flash_attn":
-        interface = _module("flash_attn.flash_attn_interface")
-        return ["an importable flash_attn.flash_attn_interface"] if interface is None else _flash_attn_2_missing(interface)
-    if backend == "flash_attn_3":
-        interface = _module("flash_attn_interface")
-        return ["an importable flash_attn_interface"] if interface is None else _flash_attn_3_missing(interface, device)
+    if backend in ("flash_attn", "flash_attn_3"):
+        name = "flash_attn.flash_attn_interface" if backend == "flash_attn" else "flash_attn_interface"
+        interface = _module(name)
+        if interface is None:
+            return [f"an importable {name}"]
+        return _flash_attn_2_missing(interface) if backend == "flash_attn" else _flash_attn_3_missing(interface, device)
     if backend == "torch_flash":
         return _torch_flash_missing()
     op = "_scaled_dot_product_efficient_attention" if backend == "torch_efficient" else (
