@@ -1,6 +1,7 @@
 """megatron-core's HybridModel with StarTrail: the stack spec's attention layers, and only
 they, get StarTrail core attention; a tiny attention/MLP HybridModel at TP2 x CP4 (team
-size 2) trains with the losses and gradients of the same model at CP1,.
+size 2) trains with the losses and the first step's per-parameter gradients (relative 1e-5) of the
+same model at CP1.
 The same through examples/pretrain_gpt.py: test_hybrid_example.py.
 
 The pattern "*-*-" is attention, MLP, attention, MLP (Mamba layers need GPU kernels). Weights
@@ -10,7 +11,6 @@ gradients over the DP x CP group, then compared, as in test_gpt_startrail.py.
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from tests.megatron.utils import (  # first: the CPU import shims before megatron.core
     HEADS,
@@ -19,11 +19,11 @@ from tests.megatron.utils import (  # first: the CPU import shims before megatro
     VOCAB,
     TransformerConfig,
     Utils,
-    forward_backward,
     initialize_startrail,
     parallel_state,
     sample_batch,
-    sgd_step_on_summed_grads,
+    train_steps,
+    worst_grad_error,
 )
 
 from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec  # noqa: E402
@@ -148,16 +148,7 @@ def worker(rank, world_size, tp, cp, team_size):
     model = tiny_hybrid(tp, cp, team_size)
     kinds = layer_kinds(model)
     weights = {n: p.detach().double().sum().item() for n, p in model.named_parameters()}
-    dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    losses, first_grads = [], None
-    for step in range(STEPS):
-        model.zero_grad(set_to_none=False)
-        loss = forward_backward(model, sample_batch(10 * step))
-        total = torch.tensor([loss], dtype=torch.float64)
-        dist.all_reduce(total, group=dp_cp_group)
-        grads = sgd_step_on_summed_grads(model, dp_cp_group, LR)
-        losses.append(total.item())
-        first_grads = first_grads or grads
+    losses, first_grads = train_steps(model, STEPS, LR, lambda step: sample_batch(10 * step))
     keep = parallel_state.get_context_parallel_rank() == 0
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     Utils.destroy_model_parallel()
@@ -179,8 +170,8 @@ def test_startrail_hybrid_tp2_cp4_matches_cp1():
         assert rkinds == [("TransformerLayer", "SelfAttention", "DotProductAttention"),
                           ("MLPLayer", "IdentityOp", None)] * 2, rkinds
         assert w == rw, f"TP rank {tp_rank}: weights differ between the two builds"
-        for name in rg:
-            err = (g[name] - rg[name]).abs().max().item() / max(rg[name].abs().max().item(), 1e-12)
-            assert err < 1e-4, f"TP rank {tp_rank} {name}: relative grad error {err:.2e}"
+        err, name = worst_grad_error(g, rg)  # per parameter (issue 36)
+        print(f"hybrid TP rank {tp_rank}: worst relative grad error {err:.2e} ({name})")  # shown with -s
+        assert err <= 1e-5, f"TP rank {tp_rank} {name}: relative grad error {err:.2e}"
         assert losses == pytest.approx(rlosses, rel=1e-5), f"losses {losses} vs CP=1 {rlosses}"
 
