@@ -1,5 +1,6 @@
 """A tiny GPT with Multi-Latent Attention trained on packed documents: TP2 x CP4 with StarTrail
-(C = 2) logs the losses of the same GPT at CP = 1, in both packed layouts.
+(C = 2) logs the losses of the same GPT at CP = 1, and its first-step gradients are
+those of CP = 1 (per parameter, relative 1e-5), in both packed layouts.
 
 - sample layout (Megatron's --dataloader-inter-document-masking): the whole packed sample
   zigzagged over CP, ``cu_seqlens`` only.
@@ -15,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.megatron.utils import Utils, parallel_state, sgd_step_on_summed_grads
+from tests.megatron.utils import Utils, parallel_state, sgd_step_on_summed_grads, worst_grad_error
 
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
@@ -67,10 +68,11 @@ def packed_batch(step, layout, cp, cp_rank, masked):
 
 
 def train(layout, cp, masked):
-    """ITERS steps of SGD on the gradients summed over CP; the summed loss of every step."""
+    """ITERS steps of SGD on the gradients summed over CP; the summed loss of every step and
+    the first step's summed gradients by name."""
     model = tiny_mla_gpt(TP, cp)
     cp_group = parallel_state.get_context_parallel_group()
-    losses = []
+    losses, first_grads = [], None
     for step in range(ITERS):
         model.zero_grad(set_to_none=False)
         tokens, labels, loss_mask, positions, params = packed_batch(step, layout, cp, cp_group.rank(), masked)
@@ -79,23 +81,35 @@ def train(layout, cp, masked):
         total = loss.detach().double().reshape(1)
         dist.all_reduce(total, group=cp_group)
         losses.append(total.item())
-        sgd_step_on_summed_grads(model, cp_group, LR)
-    return losses
+        grads = sgd_step_on_summed_grads(model, cp_group, LR)
+        first_grads = grads if first_grads is None else first_grads
+    return losses, first_grads
 
 
 def worker(rank, world_size, layout, cp):
+    """By masked: (losses, first-step grads); the grads only from CP rank 0 (summed over CP)."""
     Utils.initialize_model_parallel(tensor_model_parallel_size=TP, context_parallel_size=cp)
-    losses = {masked: train(layout, cp, masked) for masked in ((True,) if cp > 1 else (True, False))}
+    runs = {masked: train(layout, cp, masked) for masked in ((True,) if cp > 1 else (True, False))}
+    keep = parallel_state.get_context_parallel_rank() == 0
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
     Utils.destroy_model_parallel()
-    return losses
+    return tp_rank, {masked: (losses, grads if keep else None) for masked, (losses, grads) in runs.items()}
 
 
 @pytest.mark.parametrize("layout", ["sample", "document"])
-def test_mla_packed_documents_startrail_cp4_gives_cp1_losses(layout):
+def test_mla_packed_documents_startrail_cp4_gives_cp1_losses_and_gradients(layout):
     startrail = run_ranks(worker, TP * CP, args=(layout, CP), timeout=300)
     reference = run_ranks(worker, TP, args=(layout, 1), timeout=300)
-    got, want, unmasked = startrail[0][True], reference[0][True], reference[0][False]
-    assert all(r[True] == got for r in startrail)  # every rank logs the same losses
+    got, want, unmasked = startrail[0][1][True][0], reference[0][1][True][0], reference[0][1][False][0]
+    assert all(r[True][0] == got for _, r in startrail)  # every rank logs the same losses
     assert got == pytest.approx(want, rel=1e-5), (got, want)
+    # Every parameter's first-step gradient, shard by shard (TP rank), summed over CP (issue 36).
+    grads = {tp_rank: r[True][1] for tp_rank, r in startrail if r[True][1] is not None}
+    ref = {tp_rank: r[True][1] for tp_rank, r in reference}
+    assert set(grads) == set(ref) == set(range(TP))
+    for tp_rank in ref:
+        err, name = worst_grad_error(grads[tp_rank], ref[tp_rank])
+        print(f"packed MLA {layout} TP rank {tp_rank}: worst relative grad error {err:.2e} ({name})")  # with -s
+        assert err <= 1e-5, f"{layout} TP rank {tp_rank} {name}: relative grad error {err:.2e}"
     # Document masking changes the losses by far more than the agreement allowed above.
     assert max(abs(a - b) / b for a, b in zip(want, unmasked)) > 1e-3, (want, unmasked)
