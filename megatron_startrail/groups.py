@@ -28,7 +28,7 @@ from .comm import CommStats
 from .config import StarTrailConfig
 from .microbatch import MicroBatchCache
 from .topology import StarTrailTopology, check_team_size
-from .transport import ROLES, Transport, transport_for
+from .transport import ROLES, Transport, group_backend, transport_for
 
 
 
@@ -147,7 +147,7 @@ def _create_groups(plans, cp_ranks, ulysses_size, team_size, timeout, create_gro
     """Every group of every CP group, role by role in one order on every rank (collective);
     returns this rank's group of each role (Note [communicators])."""
     rank = dist.get_rank()
-    gloo = "nccl" not in str(dist.get_backend()).lower()
+    gloo = group_backend() == "gloo"
 
     def create(rank_lists: list[list[int]], role: str) -> object | None:
         mine = None

@@ -189,23 +189,29 @@ def backend_for_device(backend: str, device_type: str) -> str:
     return pairs[device_type]
 
 
-def transport_for(groups: dict, p2p_ranks: tuple[int, ...], audit=None, device_type: str | None = None) -> Transport:
-    """The transport of the StarTrail group's backend for ``device_type`` (default: cuda when
-    there is a GPU, as Megatron runs; else cpu). With ``audit``, a
-    :class:`~megatron_startrail.nccl_rules.RuleAudit`, every operation is checked against
-    NCCL's rules as well."""
-    group = groups.get("startrail")
+def group_backend(group=None, device_type: str | None = None) -> str:
+    """The backend that carries the attention's tensors on ``group`` (default: the default
+    group), for ``device_type`` (default: cuda when there is a GPU, as Megatron runs; else
+    cpu): "gloo", "nccl", or what a mixed string such as "cpu:gloo,cuda:nccl" names for it.
+    Every choice that depends on the backend (the transport, NCCL group options, the twin
+    groups) asks here, so a mixed string means the same thing to all of them."""
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     reported = str(dist.get_backend(group)).lower()
     # torch's no-op group (e.g. "cpu:fake,meta:fake"): one process standing in for any rank (benchmarks/gpu_check)
     if "fake" in reported:
-        backend = "nccl" if device_type == "cuda" else "gloo"
-    else:
-        backend = backend_for_device(reported, device_type)
+        return "nccl" if device_type == "cuda" else "gloo"
+    return backend_for_device(reported, device_type)
+
+
+def transport_for(groups: dict, p2p_ranks: tuple[int, ...], audit=None, device_type: str | None = None) -> Transport:
+    """The transport of the StarTrail group's backend for ``device_type`` (:func:`group_backend`).
+    With ``audit``, a :class:`~megatron_startrail.nccl_rules.RuleAudit`, every operation is
+    checked against NCCL's rules as well."""
+    backend = group_backend(groups.get("startrail"), device_type)
     cls = TRANSPORTS.get(backend)
     if cls is None:
-        raise ValueError(f"StarTrail has no transport for the {backend!r} backend (the group reports {reported!r}); "
-                         "use gloo (CPU) or nccl (GPU)")
+        raise ValueError(f"StarTrail has no transport for the {backend!r} backend (the group reports "
+                         f"{dist.get_backend(groups.get('startrail'))!r}); use gloo (CPU) or nccl (GPU)")
     if audit is not None:
         from .nccl_rules import checked  # noqa: PLC0415 - the checking mode only
 

@@ -49,3 +49,14 @@ def test_no_fitting_backend_is_a_clear_error(monkeypatch, reported, device_type,
 def test_backend_for_device_reads_each_pair():
     assert backend_for_device("cpu:gloo, cuda:nccl", "cuda") == "nccl"
     assert backend_for_device("nccl", "cpu") == "nccl"  # one backend: it carries every device
+
+
+@pytest.mark.parametrize("reported, device_type, expected", [
+    ("cpu:gloo,cuda:nccl", "cuda", "nccl"), ("cpu:gloo,cuda:nccl", "cpu", "gloo"), ("nccl", "cuda", "nccl"),
+    ("cpu:fake,meta:fake", "cuda", "nccl"),
+])
+def test_group_backend_is_the_one_answer_for_groups_and_megatron_options(monkeypatch, reported, device_type, expected):
+    # groups.py (whether the CP twin is built), megatron/parallel_state.py and dynamic_cp.py
+    # (NCCL group options) ask group_backend, so a mixed string means the same to all of them.
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: reported)
+    assert transport.group_backend(device_type=device_type) == expected

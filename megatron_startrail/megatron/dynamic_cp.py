@@ -29,6 +29,7 @@ from ..config import StarTrailConfig
 from ..groups import StarTrailGroups, new_startrail_groups
 from ..microbatch import MicroBatchCache
 from ..topology import team_size_for
+from ..transport import group_backend
 
 
 def dynamic_cp_sizes(dp_cp_size: int) -> list[int]:
@@ -101,7 +102,7 @@ def initialize_dynamic_startrail(config: StarTrailConfig, *, order: str, team_si
     rank_lists = dp_cp_rank_lists(dist.get_world_size(), parallel_state.get_tensor_model_parallel_world_size(),
                                   order)
     pg_options = parallel_state.get_nccl_options("dp_cp", nccl_comm_cfgs or {}) \
-        if dist.get_backend() == "nccl" else None
+        if group_backend() == "nccl" else None
     create_group = functools.partial(parallel_state.create_group, pg_options=pg_options)
     result = DynamicCPGroups({}, config)
     for k in dynamic_cp_sizes(len(rank_lists[0])):

@@ -21,6 +21,7 @@ from megatron.core import parallel_state
 from megatron.core.parallel_state import RankGenerator
 
 from ..groups import StarTrailGroups, new_startrail_groups
+from ..transport import group_backend
 
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 
@@ -79,7 +80,7 @@ def initialize_startrail(
             f"order {order!r}: pass the order given to initialize_model_parallel"
         )
     pg_options = None
-    if dist.get_backend() == "nccl":  # StarTrail's groups live inside the CP groups: their NCCL settings
+    if group_backend() == "nccl":  # StarTrail's groups live inside the CP groups: their NCCL settings
         pg_options = parallel_state.get_nccl_options("cp", nccl_comm_cfgs or {})
     create_group = functools.partial(parallel_state.create_group, pg_options=pg_options)
     # Megatron's CP group is reused (and, with Ulysses off, is the StarTrail group): Note [communicators].
