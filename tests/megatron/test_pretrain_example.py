@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.megatron.example import pretrain_gpt, run_example_rank
+from tests.megatron.utils import assert_first_step_grads_match, record_first_step_grads
 from tests.multiproc import run_ranks
 
 
@@ -27,16 +28,25 @@ LOG_LINE = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|.* lm loss: ([0-9.E+-]+) \|
 
 
 def example_worker(rank, world_size, argv):
+    """The logged (iteration, iterations, lm loss, tokens/s); on rank 0 also the first step's
+    gradients after Megatron's DDP reduction (rank 0 is TP, PP, CP and DP rank 0 in any grid)."""
+    recorded = record_first_step_grads()
     log = run_example_rank(rank, world_size, argv)
-    return [(int(m[1]), int(m[2]), float(m[3]), float(m[4])) for m in LOG_LINE.finditer(log)]
+    lines = [(int(m[1]), int(m[2]), float(m[3]), float(m[4])) for m in LOG_LINE.finditer(log)]
+    return lines, recorded.get("grads") if rank == 0 else None
+
+
+def losses_and_grads(world_size, *flags, iters=4):
+    """The logged losses (last rank) and global rank 0's first-step gradients by name."""
+    logged = run_ranks(example_worker, world_size, args=([*COMMON, *flags],), timeout=240)
+    lines = logged[-1][0]  # megatron.training logs on the last rank
+    assert [(i, n) for i, n, _, _ in lines] == [(i, iters) for i in range(1, iters + 1)]
+    assert all(tokens_per_s > 0 for *_, tokens_per_s in lines)
+    return [loss for _, _, loss, _ in lines], logged[0][1]
 
 
 def losses(world_size, *flags, iters=4):
-    logged = run_ranks(example_worker, world_size, args=([*COMMON, *flags],), timeout=240)
-    lines = logged[-1]  # megatron.training logs on the last rank
-    assert [(i, n) for i, n, _, _ in lines] == [(i, iters) for i in range(1, iters + 1)]
-    assert all(tokens_per_s > 0 for *_, tokens_per_s in lines)
-    return [loss for _, _, loss, _ in lines]
+    return losses_and_grads(world_size, *flags, iters=iters)[0]
 
 
 @pytest.mark.parametrize("grid", [
@@ -44,12 +54,13 @@ def losses(world_size, *flags, iters=4):
     ["--pipeline-model-parallel-size", "2"],
 ], ids=["TP2", "PP2"])
 def test_startrail_cp4_logs_the_losses_of_cp1(grid):
-    startrail = losses(8, *grid, "--context-parallel-size", "4", "--context-parallel-algo", "startrail",
-                       "--startrail-team-size", "2")
-    reference = losses(2, *grid, "--context-parallel-size", "1")
+    startrail, grads = losses_and_grads(8, *grid, "--context-parallel-size", "4", "--context-parallel-algo",
+                                        "startrail", "--startrail-team-size", "2")
+    reference, ref_grads = losses_and_grads(2, *grid, "--context-parallel-size", "1")
     assert all(math.isfinite(x) for x in startrail + reference)
     for got, want in zip(startrail, reference):
         assert abs(got - want) <= 2e-6 * want, (startrail, reference)
+    assert_first_step_grads_match(grads, ref_grads, f"example {grid[0]} CP4")  # per parameter (issue 36)
     assert reference[-1] < reference[0]  # it learns
 
 
@@ -59,13 +70,14 @@ MLA = ["--multi-latent-attention", "--qk-head-dim", "32", "--qk-pos-emb-head-dim
 
 
 def test_mla_startrail_cp4_with_and_without_regathering_logs_the_losses_of_cp1():
-    reference = losses(1, *MLA, "--context-parallel-size", "1")
+    reference, ref_grads = losses_and_grads(1, *MLA, "--context-parallel-size", "1")
     startrail = ["--context-parallel-size", "4", "--context-parallel-algo", "startrail", "--startrail-team-size", "2"]
     for extra in ([], ["--startrail-regather-in-backward"]):
-        got = losses(4, *MLA, *startrail, *extra)
+        got, grads = losses_and_grads(4, *MLA, *startrail, *extra)
         assert all(math.isfinite(x) for x in got + reference)
         for g, want in zip(got, reference):
             assert abs(g - want) <= 1e-4 * want, (extra, got, reference)
+        assert_first_step_grads_match(grads, ref_grads, f"example MLA CP4 {extra}")
     assert reference[-1] < reference[0]
 
 
@@ -86,13 +98,15 @@ def test_packed_documents_with_startrail_log_the_losses_of_megatrons_dense_docum
     make.write_indexed_dataset(make.short_documents(), str(tmp_path / "docs"))
     data = ["--data-path", str(tmp_path / "docs"), "--split", "100,0,0",
             "--tensor-model-parallel-size", "2"]
-    packed = losses(8, *data, "--context-parallel-size", "4", "--context-parallel-algo", "startrail",
-                    "--startrail-team-size", "2", "--dataloader-inter-document-masking")
-    dense_mask = losses(2, *data, "--context-parallel-size", "1", "--reset-attention-mask", "--reset-position-ids")
+    packed, grads = losses_and_grads(8, *data, "--context-parallel-size", "4", "--context-parallel-algo",
+                                     "startrail", "--startrail-team-size", "2", "--dataloader-inter-document-masking")
+    dense_mask, ref_grads = losses_and_grads(2, *data, "--context-parallel-size", "1", "--reset-attention-mask",
+                                             "--reset-position-ids")
     no_mask = losses(2, *data, "--context-parallel-size", "1")
     assert all(math.isfinite(x) for x in packed + dense_mask + no_mask)
     for got, want in zip(packed, dense_mask):
         assert abs(got - want) <= 1e-4 * want, (packed, dense_mask)
+    assert_first_step_grads_match(grads, ref_grads, "example packed TP2 CP4")
     # Document masking changes the losses, by 10x more than the agreement allowed above
     # (measured: up to 6.6e-3 relative at iteration 4).
     assert max(abs(a - b) / b for a, b in zip(dense_mask, no_mask)) > 1e-3, (dense_mask, no_mask)
@@ -104,13 +118,15 @@ def test_mla_packed_documents_with_startrail_log_the_losses_of_cp1_packed_mla(tm
     make = pretrain_gpt.make_indexed_dataset
     make.write_indexed_dataset(make.short_documents(), str(tmp_path / "docs"))
     data = [*MLA, "--data-path", str(tmp_path / "docs"), "--split", "100,0,0"]
-    packed = losses(4, *data, "--context-parallel-size", "4", "--context-parallel-algo", "startrail",
-                    "--startrail-team-size", "2", "--dataloader-inter-document-masking")
-    reference = losses(1, *data, "--context-parallel-size", "1", "--dataloader-inter-document-masking")
+    packed, grads = losses_and_grads(4, *data, "--context-parallel-size", "4", "--context-parallel-algo",
+                                     "startrail", "--startrail-team-size", "2", "--dataloader-inter-document-masking")
+    reference, ref_grads = losses_and_grads(1, *data, "--context-parallel-size", "1",
+                                            "--dataloader-inter-document-masking")
     no_mask = losses(1, *data, "--context-parallel-size", "1")
     assert all(math.isfinite(x) for x in packed + reference + no_mask)
     for got, want in zip(packed, reference):
         assert abs(got - want) <= 1e-5 * want, (packed, reference)
+    assert_first_step_grads_match(grads, ref_grads, "example packed MLA CP4")
     assert max(abs(a - b) / b for a, b in zip(reference, no_mask)) > 1e-3, (reference, no_mask)
 
 

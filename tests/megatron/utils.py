@@ -183,3 +183,33 @@ def worst_grad_error(grads: dict, ref: dict) -> tuple[float, str]:
     errors = relative_grad_errors(grads, ref)
     name = max(errors, key=errors.get)
     return errors[name], name
+
+
+def record_first_step_grads() -> dict:
+    """In a forked rank about to run megatron.training's pretrain (examples/pretrain_gpt.py):
+    after the first ``finalize_model_grads`` (gradients reduced over DP x CP, the expert ones
+    over expert DP, and scaled as Megatron's DDP does), keep every parameter's ``main_grad``,
+    by name. Returns the dict that then holds them under "grads" (empty before the first step).
+    Patched in this forked rank only; the run itself is unchanged."""
+    from megatron.training import training  # noqa: PLC0415
+
+    recorded: dict = {}
+    finalize = training.finalize_model_grads
+
+    def recording(model, *args, **kwargs):
+        out = finalize(model, *args, **kwargs)
+        if "grads" not in recorded:
+            recorded["grads"] = {name: p.main_grad.detach().clone().double()
+                                 for name, p in model[0].named_parameters()}
+        return out
+
+    training.finalize_model_grads = recording
+    return recorded
+
+
+def assert_first_step_grads_match(grads: dict, ref: dict, what: str, tol: float = 1e-5) -> float:
+    """``worst_grad_error`` <= ``tol``; prints the figure (shown with pytest -s) and returns it."""
+    err, name = worst_grad_error(grads, ref)
+    print(f"{what}: worst relative first-step grad error {err:.2e} ({name})")
+    assert err <= tol, f"{what} {name}: relative grad error {err:.2e} > {tol:.0e}"
+    return err
