@@ -41,7 +41,7 @@ STAT_FIELDS = ["p2p_bytes_sent", "p2p_bytes_recv", "collective_bytes_sent", "col
 
 def group_settings(cp_size):
     """Every (ulysses_size, team_size) valid for a CP group of ``cp_size``."""
-    for u in (1, 2):
+    for u in (1, 2, 4):  # U = 4 with the GQA layout's 2 kv heads: K/V heads replicated for the all-to-all
         if cp_size % u == 0:
             for c in valid_team_sizes(cp_size // u):
                 yield u, c
