@@ -30,6 +30,9 @@ per-document layout instead, so that combination is refused (:func:`check_startr
 norms, no Transformer Engine), for the CPU: megatron-core 0.19.2 ships the hybrid stack only
 with Transformer Engine modules. It has attention, MLP and MoE layers; the other symbols
 stop the build with an error naming ``--hybrid-layer-pattern``.
+
+megatron-core 0.19 or newer (0.16.1 has no ``megatron.core.models.hybrid``): on an older one
+this module imports, and each function here raises :class:`~.versions.MegatronCoreTooOld`.
 """
 
 from __future__ import annotations
@@ -37,10 +40,6 @@ from __future__ import annotations
 import copy
 
 import torch
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
-from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
-from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols
-from megatron.core.ssm.mlp_layer import MLPLayer
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import (
     MoETransformerLayer,
@@ -50,11 +49,29 @@ from megatron.core.transformer.transformer_layer import (
 
 from ..groups import StarTrailGroups
 from .layer_specs import to_startrail_spec
+from .versions import require_full_support
 
-# Slots whose layers are softmax attention with a core_attention seam, by pattern symbol.
-ATTENTION_SLOTS = {Symbols.ATTENTION: "attention_layer", Symbols.MLA: "mla_layer"}
-# Megatron's own CP (all-to-all over the CP group) in these layers: the dense layout only.
-OWN_CP_SYMBOLS = {Symbols.MAMBA: "Mamba", Symbols.GDN: "gated delta net"}
+try:  # megatron-core >= 0.19; 0.16.1 has neither the hybrid stack nor the local GPT submodules
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
+    from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+    from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols
+    from megatron.core.ssm.mlp_layer import MLPLayer
+except ImportError:
+    HybridStack = Symbols = None
+
+if Symbols is not None:
+    # Slots whose layers are softmax attention with a core_attention seam, by pattern symbol.
+    ATTENTION_SLOTS = {Symbols.ATTENTION: "attention_layer", Symbols.MLA: "mla_layer"}
+    # Megatron's own CP (all-to-all over the CP group) in these layers: the dense layout only.
+    OWN_CP_SYMBOLS = {Symbols.MAMBA: "Mamba", Symbols.GDN: "gated delta net"}
+else:
+    ATTENTION_SLOTS, OWN_CP_SYMBOLS = {}, {}
+
+
+def _require_hybrid() -> None:
+    """:class:`~.versions.MegatronCoreTooOld` where megatron-core has no ``HybridModel`` (0.16.1)."""
+    if HybridStack is None:
+        require_full_support("HybridModel (--hybrid-layer-pattern)", "no megatron.core.models.hybrid")
 
 
 class UnavailableLayer(torch.nn.Module):
@@ -74,6 +91,7 @@ def hybrid_local_stack_spec(normalization: str | None = None, qk_layernorm: bool
     """A ``HybridStack`` spec from megatron-core's local modules: attention ('*'), MLP ('-') and,
     with ``num_experts``, MoE ('E') layers, cut from the local GPT layer (Megatron's TE hybrid
     spec is cut from the TE GPT layer the same way: attention without the MLP, MLP alone)."""
+    _require_hybrid()
     gpt = get_gpt_layer_local_submodules(normalization=normalization, qk_layernorm=qk_layernorm)
     attention_layer = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
         input_layernorm=gpt.input_layernorm, self_attention=gpt.self_attention, self_attn_bda=gpt.self_attn_bda))
@@ -107,6 +125,7 @@ def to_startrail_hybrid_spec(stack_spec: ModuleSpec, groups: StarTrailGroups) ->
     ``PackedRopeSelfAttention`` as in GPT), and whose DeepSeek sparse attention layers ('D')
     refuse to build. Mamba, GDN, MLP, MoE and the MTP block spec are the same objects: the
     MTP layers are built from these slots too, so their attention is StarTrail's as well."""
+    _require_hybrid()
     submodules = copy.copy(stack_spec.submodules)
     for slot in ATTENTION_SLOTS.values():
         layer = getattr(submodules, slot)
@@ -126,6 +145,7 @@ def check_startrail_hybrid_pattern(pattern: str | None, packed_sample_layout: bo
     flag (pure; before any process group exists)."""
     if not pattern:
         return
+    _require_hybrid()
     if Symbols.DS_ATTENTION in pattern:
         raise ValueError(
             f"--hybrid-layer-pattern {pattern!r} has DeepSeek sparse attention layers ('D'), which "

@@ -5,20 +5,22 @@ from __future__ import annotations
 import copy
 
 from megatron.core.transformer.attention import SelfAttention
-from megatron.core.transformer.multi_latent_attention import FusedMLASelfAttention, MLASelfAttention
+from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from ..groups import StarTrailGroups
 from .core_attention import StarTrailCoreAttention
-from .packed_mla import PackedRopeFusedMLASelfAttention, PackedRopeMLASelfAttention
+from .packed_mla import FusedMLASelfAttention, MLASelfAttention, PackedRopeFusedMLASelfAttention, PackedRopeMLASelfAttention
 from .packed_rope import PackedRopeSelfAttention
+from .versions import has_full_support, require_full_support
 
 # Megatron's self-attention modules -> the same with RoPE (and, for MLA, V) fixed for packed documents.
 PACKED_DOCUMENT_ATTENTION = {
     SelfAttention: PackedRopeSelfAttention,
     MLASelfAttention: PackedRopeMLASelfAttention,
-    FusedMLASelfAttention: PackedRopeFusedMLASelfAttention,
 }
+if FusedMLASelfAttention is not None:  # megatron-core >= 0.19
+    PACKED_DOCUMENT_ATTENTION[FusedMLASelfAttention] = PackedRopeFusedMLASelfAttention
 
 
 class CallableModuleSpec(ModuleSpec):
@@ -47,8 +49,24 @@ def to_startrail_spec(spec, groups: StarTrailGroups):
     the MLA ones their :class:`~.packed_mla.PerDocumentRopeMLA` versions (per-document RoPE in
     both packed layouts, V at its own head dim); each is the same module otherwise.
     Everything else is unchanged.
+
+    MLA needs megatron-core 0.19 or newer: on an older one (0.16.1) a spec with an MLA layer
+    raises :class:`~.versions.MegatronCoreTooOld` (``versions.py``).
     """
+    if not has_full_support() and any(_is_mla(s) for s in _layer_specs(spec)):
+        require_full_support("Multi-Latent Attention (--multi-latent-attention)",
+                             "its MLASelfAttention has no _run_core_attention to hand V to StarTrail unpadded")
     return with_core_attention(spec, startrail_core_attention(groups), PACKED_DOCUMENT_ATTENTION)
+
+
+def _layer_specs(spec) -> list:
+    return list(spec.layer_specs) if hasattr(spec, "layer_specs") else [spec]
+
+
+def _is_mla(layer_spec) -> bool:
+    attention = getattr(getattr(layer_spec, "submodules", None), "self_attention", None)
+    module = getattr(attention, "module", None)
+    return isinstance(module, type) and issubclass(module, MultiLatentAttention)
 
 
 def with_core_attention(spec, core_attention, replace_attention: dict | None = None):

@@ -28,7 +28,12 @@ input, CP = 1 and inference are Megatron's code unchanged.
 from __future__ import annotations
 
 import torch
-from megatron.core.transformer.multi_latent_attention import FusedMLASelfAttention, MLASelfAttention
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+try:  # megatron-core >= 0.19 (not in 0.16.1)
+    from megatron.core.transformer.multi_latent_attention import FusedMLASelfAttention
+except ImportError:
+    FusedMLASelfAttention = None
 
 from .core_attention import StarTrailCoreAttention
 from .packed_rope import held_rope_positions, is_sample_layout, packed_sample_tokens
@@ -130,6 +135,9 @@ class PackedRopeMLASelfAttention(PerDocumentRopeMLA, MLASelfAttention):
     :class:`PerDocumentRopeMLA`."""
 
 
-class PackedRopeFusedMLASelfAttention(PerDocumentRopeMLA, FusedMLASelfAttention):
-    """Megatron's ``FusedMLASelfAttention`` (TE spec, fused q/kv down projection) with
-    :class:`PerDocumentRopeMLA`."""
+if FusedMLASelfAttention is not None:
+    class PackedRopeFusedMLASelfAttention(PerDocumentRopeMLA, FusedMLASelfAttention):
+        """Megatron's ``FusedMLASelfAttention`` (TE spec, fused q/kv down projection) with
+        :class:`PerDocumentRopeMLA`."""
+else:  # megatron-core 0.16.x
+    PackedRopeFusedMLASelfAttention = None
