@@ -33,6 +33,7 @@ import pytest
 from tests.megatron.example import run_example_rank
 from tests.megatron.test_pretrain_example import COMMON
 from tests.megatron.test_pretrain_example import LOG_LINE as DENSE_LINE
+from tests.megatron.utils import assert_first_step_grads_match, record_first_step_grads
 from tests.multiproc import run_ranks
 
 LOG_LINE = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|.* lm loss: ([0-9.E+-]+) \| load_balancing_loss: ([0-9.E+-]+) \|")
@@ -54,27 +55,35 @@ LAYOUTS = [
 
 
 def moe_worker(rank, world_size, argv):
+    """The logged lines; on rank 0 also the first step's gradients after Megatron's reduction."""
+    recorded = record_first_step_grads()
     log = run_example_rank(rank, world_size, argv)
-    return [(int(m[1]), int(m[2]), float(m[3]), float(m[4])) for m in LOG_LINE.finditer(log)]
+    lines = [(int(m[1]), int(m[2]), float(m[3]), float(m[4])) for m in LOG_LINE.finditer(log)]
+    return lines, recorded.get("grads") if rank == 0 else None
 
 
 def logged(world_size, *flags):
-    """[(lm loss, load-balancing loss)] per iteration, from Megatron's log lines (last rank)."""
-    lines = run_ranks(moe_worker, world_size, args=([*COMMON, *flags],), timeout=240)[-1]
+    """[(lm loss, load-balancing loss)] per iteration, from Megatron's log lines (last rank),
+    and global rank 0's first-step gradients by name."""
+    results = run_ranks(moe_worker, world_size, args=([*COMMON, *flags],), timeout=240)
+    lines = results[-1][0]
     assert [(i, n) for i, n, _, _ in lines] == [(i, ITERS) for i in range(1, ITERS + 1)], lines
     values = [(lm, aux) for _, _, lm, aux in lines]
     assert all(math.isfinite(x) for pair in values for x in pair)
-    return values
+    return values, results[0][1]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[name for name, *_ in LAYOUTS])
 def test_moe_expert_parallel_startrail_cp4_logs_the_losses_of_cp1(layout):
     name, flags, twin_ranks = layout
-    startrail = logged(8, *MOE, *flags, *STARTRAIL_CP4)
-    reference = logged(twin_ranks, *MOE, *flags)
+    startrail, grads = logged(8, *MOE, *flags, *STARTRAIL_CP4)
+    reference, ref_grads = logged(twin_ranks, *MOE, *flags)
     for (lm, aux), (want_lm, want_aux) in zip(startrail, reference):
         assert abs(lm - want_lm) <= 1e-5 * want_lm, (name, startrail, reference)
         assert abs(aux - want_aux) <= 1e-5 * want_aux, (name, startrail, reference)
+    # Every parameter's first-step gradient on rank 0: TP, CP, DP rank 0 and EP rank 0 (the
+    # same local experts) in both layouts, after Megatron's DP x CP and expert-DP reductions.
+    assert_first_step_grads_match(grads, ref_grads, f"MoE {name}")
     assert reference[-1][0] < reference[0][0]  # it learns
     if name == LAYOUTS[0][0]:
         # The comparison could pass with the experts silently dropped (the example once built
