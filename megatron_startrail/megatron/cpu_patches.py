@@ -8,9 +8,11 @@ example calls it only on CPU-only machines.
 Stages, because one blocker is at import time:
 
 - :func:`install_import_shims` (before ``import megatron``): ``typing.override`` for
-  Python 3.11 (``megatron.training`` imports it from ``typing``, new in 3.12), and a
-  stand-in for ``megatron.core.transformer.moe.ops.paged_stash``, which imports
-  ``triton`` unguarded (a fake top-level ``triton`` would break torch's inductor).
+  Python 3.11 (``megatron.training`` imports it from ``typing``, new in 3.12), and, when
+  triton cannot be imported, a stand-in for each Megatron module in :data:`TRITON_MODULES`:
+  the modules of triton kernels that ``megatron.core`` / ``megatron.training`` import
+  unguarded (a fake top-level ``triton`` would break torch's inductor). Every name taken
+  from a stand-in is a class that raises when called, naming the module and triton.
 - :func:`apply` (after import): the model-parallel RNG tracker on CPU generator states,
   ``torch.cuda`` stream/synchronize/device/RNG helpers as no-ops, grad clipping without
   the CUDA-tensor assertion, ``megatron.training``'s CUDA checks and JIT warm-up off,
@@ -36,8 +38,49 @@ import typing
 import torch
 from torch.overrides import TorchFunctionMode
 
-_PAGED_STASH = "megatron.core.transformer.moe.ops.paged_stash"
 _state = {"mode": None}
+
+# Megatron modules of triton kernels that an ``import megatron.core`` / ``megatron.training``
+# reaches unguarded (``import triton`` at their top), with the constants importers read from
+# them at import time. Each gets a stand-in when triton is missing.
+TRITON_MODULES = {
+    # megatron-core 0.19.2: MoE paged stash (moe/paged_stash.py imports it)
+    "megatron.core.transformer.moe.ops.paged_stash": {"GLOBAL_BLOCK_SIZE": 0},
+    # Megatron-LM main (0.20.0, d98e8a64): megatron.training -> models/hybrid ->
+    # hybrid_layer_specs -> ssm/gated_delta_product and ssm/mamba_mixer import these
+    "megatron.core.ssm.ops.common.causal_conv1d_varlen": {},
+    "megatron.core.ssm.ops.mamba2.batch_invariant_decode": {},
+}
+
+
+class _NeedsTriton:
+    """A name taken from a stand-in module: using it (calling, instantiating) raises."""
+
+    _where = "triton"
+
+    def __new__(cls, *args, **kwargs):
+        raise RuntimeError(f"{cls._where} needs triton and a GPU (a CPU stand-in: megatron_startrail cpu_patches)")
+
+
+class TritonStandIn(types.ModuleType):
+    """Stands in for a Megatron module that imports triton: every name it is asked for is a
+    :class:`_NeedsTriton` class (the same one on every access), so ``from module import
+    kernel, Class`` works and ``kernel(...)`` / ``Class(...)`` raise."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):  # __path__, __file__, ...: a plain module has none
+            raise AttributeError(name)
+        standin = type(name, (_NeedsTriton,), {"_where": f"{self.__name__}.{name}", "__module__": self.__name__})
+        setattr(self, name, standin)
+        return standin
+
+
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401, PLC0415
+    except ImportError:
+        return False
+    return True
 
 
 def install_import_shims() -> None:
@@ -46,20 +89,13 @@ def install_import_shims() -> None:
         import typing_extensions  # noqa: PLC0415
 
         typing.override = typing_extensions.override
-    if _PAGED_STASH not in sys.modules:
-        try:
-            import triton  # noqa: F401, PLC0415
-        except ImportError:
-            stub = types.ModuleType(_PAGED_STASH)
-            stub.__doc__ = "CPU stand-in: the real module needs triton (MoE paged stash kernels)."
-            stub.GLOBAL_BLOCK_SIZE = 0
-            stub.__all__ = ["GLOBAL_BLOCK_SIZE", "paged_stash_copy_kernel", "paged_stash_pop_kernel"]
-
-            def _unavailable(*_args, **_kwargs):
-                raise RuntimeError("paged stash kernels need triton and a GPU")
-
-            stub.paged_stash_copy_kernel = stub.paged_stash_pop_kernel = _unavailable
-            sys.modules[_PAGED_STASH] = stub
+    missing = [name for name in TRITON_MODULES if name not in sys.modules]
+    if missing and not _triton_importable():
+        for name in missing:
+            stub = TritonStandIn(name, "CPU stand-in (megatron_startrail cpu_patches): the real module needs triton.")
+            for constant, value in TRITON_MODULES[name].items():
+                setattr(stub, constant, value)
+            sys.modules[name] = stub
 
 
 def _is_cuda(device) -> bool:
@@ -223,7 +259,10 @@ def _patch_hybrid_final_norm() -> None:
     """``HybridStack`` (``HybridModel``'s decoder) builds its final norm as Transformer Engine's
     ``TENorm`` whatever its spec says; without TE that raises. On the CPU it is the local spec's
     norm (torch's LayerNorm / RMSNorm, with the same constructor arguments)."""
-    from megatron.core.models.hybrid import hybrid_block  # noqa: PLC0415
+    try:
+        from megatron.core.models.hybrid import hybrid_block  # noqa: PLC0415
+    except ImportError:  # megatron-core 0.16.x: no HybridModel (hybrid_specs refuses it)
+        return
     from megatron.core.transformer.torch_norm import WrappedTorchNorm  # noqa: PLC0415
 
     hybrid_block.TENorm = WrappedTorchNorm

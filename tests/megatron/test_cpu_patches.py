@@ -1,5 +1,13 @@
-"""The CPU patches are for CPU-only runs: never applied when CUDA is available."""
+"""The CPU patches are for CPU-only runs: never applied when CUDA is available. Their import
+shims let megatron.core / megatron.training import without triton, for the installed
+megatron-core and (with MEGATRON_LM_MAIN pointing at a Megatron-LM checkout, e.g. main at
+d98e8a64) for a Megatron-LM tree on PYTHONPATH."""
 
+import os
+import subprocess
+import sys
+
+import pytest
 import torch
 
 from tests.megatron.utils import Utils, cpu_patches
@@ -99,3 +107,55 @@ def test_sequence_parallel_norm_and_moe_split_sizes_on_the_cpu():
     assert plain[2] == [False] and sp[2] == [True]
     assert torch.equal(plain[3], sp[3])
     assert splits_type == "ndarray" and splits == [3, 5]
+
+
+def test_a_triton_stand_in_imports_any_name_and_raises_when_it_is_used():
+    stub = cpu_patches.TritonStandIn("megatron.core.ssm.ops.mamba2.batch_invariant_decode")
+    decoder_class, kernel = stub.MambaBatchInvariantDecode, stub.causal_conv1d_varlen_fn
+    assert stub.MambaBatchInvariantDecode is decoder_class  # one object per name: isinstance, annotations
+    assert isinstance(decoder_class, type) and not hasattr(stub, "__path__")
+    with pytest.raises(RuntimeError, match="batch_invariant_decode.MambaBatchInvariantDecode needs triton"):
+        decoder_class(object())
+    with pytest.raises(RuntimeError, match="causal_conv1d_varlen_fn needs triton"):
+        kernel(torch.zeros(1))
+
+
+# Run in a fresh interpreter in which `import triton` fails (whether or not it is installed):
+# the shims, then what megatron.training's pretrain and HybridModel import.
+IMPORT_WITHOUT_TRITON = """
+import sys
+sys.modules["triton"] = None  # import triton -> ImportError
+from megatron_startrail.megatron import cpu_patches
+cpu_patches.install_import_shims()
+import megatron.core.package_info as info, megatron.core.ssm.mamba_mixer, megatron.core.models.hybrid.hybrid_model
+import megatron.training.training, megatron.training.arguments, megatron.core.transformer.moe.paged_stash
+stand_ins = sorted(n for n, m in sys.modules.items() if isinstance(m, cpu_patches.TritonStandIn))
+print(info.__version__, info.__file__, stand_ins)
+"""
+
+
+def import_without_triton(megatron_path=None):
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = [p for p in (megatron_path, root, os.environ.get("PYTHONPATH")) if p]
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", IMPORT_WITHOUT_TRITON], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(path)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip().splitlines()[-1]
+
+
+def test_megatron_training_imports_without_triton():
+    """The installed megatron-core (0.19.2 ships megatron.training and imports triton in the MoE paged stash)."""
+    pytest.importorskip("megatron.training")
+    line = import_without_triton()
+    assert "megatron.core.transformer.moe.ops.paged_stash" in line, line
+
+
+@pytest.mark.skipif("MEGATRON_LM_MAIN" not in os.environ,
+                    reason="set MEGATRON_LM_MAIN to a Megatron-LM checkout (main: d98e8a64)")
+def test_megatron_lm_main_training_imports_without_triton():
+    """Megatron-LM main (0.20.0) also imports triton in the SSM ops that HybridModel's specs reach."""
+    checkout = os.environ["MEGATRON_LM_MAIN"]
+    line = import_without_triton(checkout)
+    assert line.split()[1].startswith(os.path.abspath(checkout)), line  # the checkout's megatron, not an installed one
+    for name in ("megatron.core.ssm.ops.common.causal_conv1d_varlen", "megatron.core.ssm.ops.mamba2.batch_invariant_decode"):
+        assert name in line, line
