@@ -14,9 +14,11 @@ padded to K's head dim, in memory or on the wire.
 
 A step is the calls :func:`~megatron_startrail.layout.plan_calls` gives (Note [kernel
 calls]): each takes its rows as a view where they are one run, or gathered once by an
-index made once per call and device; its result is merged in float32 with a handful of
-element-wise ops, and its gradients added back the same way. Nothing here loops over
-documents or window tiles.
+index; its result is merged in float32 with a handful of element-wise ops, and its
+gradients added back the same way. Nothing here loops over documents or window tiles.
+The calls come bound to their micro-batch's device metadata (indices, ``cu_seqlens``:
+views of one buffer made in one copy per micro-batch, Note [device metadata] in
+:mod:`megatron_startrail.microbatch`), so a step copies nothing from the host.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from __future__ import annotations
 import torch
 
 from .kernels import BlockKernel
-from .layout import KernelCall, Segment, plan_calls
+from .layout import KernelCall, Segment
+from .microbatch import device_calls
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -131,7 +134,7 @@ def forward_step(
     """Attend ``q`` to ``kv`` and merge into ``acc_out [b, h, Sq, dv]`` / ``acc_lse [b, h, Sq]``
     (at most ``max_rows`` query and key rows per kernel call)."""
     dqk = q.shape[-1]
-    for call in plan_calls(q_segments, k_segments, causal, window, max_rows):
+    for call in device_calls(q_segments, k_segments, causal, window, max_rows, q.device, q.shape[1]):
         kvs = _rows(kv, call, "k")
         out, lse = kernel.forward(_rows(q, call, "q"), kvs[..., :dqk], kvs[..., dqk:], call, scale=scale)
         out = out.permute(1, 2, 0, 3)  # [Tq, b, h, dv] -> [b, h, Tq, dv]
@@ -166,7 +169,7 @@ def backward_step(
     """Add this step's gradients into ``dq [Sq, b, h, dqk]`` and ``dkv [Sk, b, hkv, dqk + dv]``
     (at most ``max_rows`` query and key rows per kernel call)."""
     dqk = q.shape[-1]
-    for call in plan_calls(q_segments, k_segments, causal, window, max_rows):
+    for call in device_calls(q_segments, k_segments, causal, window, max_rows, q.device, q.shape[1]):
         kvs = _rows(kv, call, "k")
         gq, gk, gv = kernel.backward(
             _rows(dout, call, "q"), _rows(q, call, "q"), kvs[..., :dqk], kvs[..., dqk:], _rows(out, call, "q"),

@@ -107,9 +107,38 @@ class Documents:
     cu_seqlens_padded: tuple[int, ...] | None = None
 
 
+@functools.lru_cache(maxsize=64)
 def dense_sequence(cp_size: int, local_tokens: int) -> Documents:
-    """No document masking: one document covering the whole sequence."""
+    """No document masking: one document covering the whole sequence. One object per shape for
+    the whole run, so what hangs on it (its kernel calls' metadata on the device,
+    :mod:`megatron_startrail.microbatch`) is made once, not once per layer."""
     return Documents(cp_size, (0, cp_size * local_tokens))
+
+
+class Segments(tuple):
+    """A tuple of :data:`Segment` that remembers the :class:`Documents` object it describes
+    (``docs``): how the block step finds its micro-batch's device metadata
+    (:func:`megatron_startrail.microbatch.device_calls`). Equal to the plain tuple. Never a
+    key of a cache that outlives the micro-batch: the cached functions below take plain tuples
+    and document fields, and wrap their results anew for each caller."""
+
+    docs: Documents | None = None
+
+    @staticmethod
+    def of(segments, docs: Documents | None) -> tuple[Segment, ...]:
+        out = Segments(segments)
+        out.docs = docs
+        return out
+
+
+def docs_of(*segment_lists) -> Documents | None:
+    """The :class:`Documents` the first of these that knows it describes, or None."""
+    return next((s.docs for s in segment_lists if getattr(s, "docs", None) is not None), None)
+
+
+def _plain(segments) -> tuple[Segment, ...]:
+    # The cache key of the functions below: a plain tuple, holding no Documents object.
+    return tuple(segments)
 
 
 def _check_cu(name: str, cu: tuple[int, ...]) -> str | None:
@@ -170,18 +199,22 @@ def _cut_at_documents(cu: tuple[int, ...], start: int, stop: int) -> list[Segmen
     return out
 
 
-@functools.lru_cache(maxsize=1024)
 def cp_rank_segments(docs: Documents, cp_rank: int) -> tuple[Segment, ...]:
     """The segments of CP rank ``cp_rank``'s local storage (Note [documents])."""
-    chunks = zigzag_chunks(cp_rank, docs.cp_size)
-    n_chunks = 2 * docs.cp_size
+    return Segments.of(_cp_rank_segments(docs.cp_size, docs.cu_seqlens, docs.cu_seqlens_padded, cp_rank), docs)
+
+
+@functools.lru_cache(maxsize=1024)  # keyed on the fields: the cache keeps no Documents object alive
+def _cp_rank_segments(cp_size: int, cu: tuple[int, ...], padded: tuple[int, ...] | None,
+                      cp_rank: int) -> tuple[Segment, ...]:
+    chunks = zigzag_chunks(cp_rank, cp_size)
+    n_chunks = 2 * cp_size
     segments: list[Segment] = []
-    if docs.cu_seqlens_padded is None:  # sample layout
-        chunk_len = docs.cu_seqlens[-1] // n_chunks
+    if padded is None:  # sample layout
+        chunk_len = cu[-1] // n_chunks
         for c in chunks:
-            segments += _cut_at_documents(docs.cu_seqlens, c * chunk_len, (c + 1) * chunk_len)
+            segments += _cut_at_documents(cu, c * chunk_len, (c + 1) * chunk_len)
         return tuple(segments)
-    cu, padded = docs.cu_seqlens, docs.cu_seqlens_padded
     for doc in range(len(cu) - 1):  # document layout: per document, its two chunks
         piece = (padded[doc + 1] - padded[doc]) // n_chunks
         real_end = padded[doc] + cu[doc + 1] - cu[doc]
@@ -194,15 +227,20 @@ def cp_rank_segments(docs: Documents, cp_rank: int) -> tuple[Segment, ...]:
     return tuple(segments)
 
 
-@functools.lru_cache(maxsize=1024)
 def rows_of_cp_ranks(docs: Documents, cp_ranks: tuple[int, ...]) -> tuple[Segment, ...]:
     """Segments of the storage that concatenates these CP ranks' storage, in order
     (after the Ulysses all-to-all and the team all-gather)."""
-    return tuple(seg for r in cp_ranks for seg in cp_rank_segments(docs, r))
+    return Segments.of((seg for r in cp_ranks for seg in cp_rank_segments(docs, r)), docs)
+
+
+def split_segments(segments: tuple[Segment, ...], parts: int) -> tuple[tuple[Segment, ...], ...]:
+    """:func:`_split_segments`, each part knowing the documents ``segments`` knows."""
+    docs = docs_of(segments)
+    return tuple(Segments.of(part, docs) for part in _split_segments(_plain(segments), parts))
 
 
 @functools.lru_cache(maxsize=4096)
-def split_segments(segments: tuple[Segment, ...], parts: int) -> tuple[tuple[Segment, ...], ...]:
+def _split_segments(segments: tuple[Segment, ...], parts: int) -> tuple[tuple[Segment, ...], ...]:
     """Cut the storage into ``parts`` near-equal contiguous row ranges (cutting segments
     at the edges); part ``k`` is rows ``[k*n//parts, (k+1)*n//parts)``.
 
@@ -223,10 +261,14 @@ def split_segments(segments: tuple[Segment, ...], parts: int) -> tuple[tuple[Seg
     return tuple(tuple(p) for p in out)
 
 
-@functools.lru_cache(maxsize=4096)
 def segment_rows(segments: tuple[Segment, ...], start: int, stop: int) -> tuple[Segment, ...]:
     """Rows ``[start, stop)`` of the storage ``segments`` describe, as segments (cut at the
     edges): what a row slice of a payload holds, e.g. one piece of the initial send."""
+    return Segments.of(_segment_rows(_plain(segments), start, stop), docs_of(segments))
+
+
+@functools.lru_cache(maxsize=4096)
+def _segment_rows(segments: tuple[Segment, ...], start: int, stop: int) -> tuple[Segment, ...]:
     out: list[Segment] = []
     row = 0
     for doc, a, b in segments:
@@ -240,6 +282,54 @@ def segment_rows(segments: tuple[Segment, ...], start: int, stop: int) -> tuple[
 def split_rows(total: int, parts: int) -> list[tuple[int, int]]:
     """The row range of each part of :func:`split_segments` in storage of ``total`` rows."""
     return [(total * k // parts, total * (k + 1) // parts) for k in range(parts)]
+
+
+# Note [rows of CP ranks]
+# -----------------------
+# Whatever rows a step attends to -- a team's gathered sequence, a lane's part of a payload,
+# a piece of the initial send, a halo -- are rows of CP ranks' storage, so they can also be
+# written as *runs* ``(cp rank, first row, end row)``, which name no document. The schedule
+# asks the planner for the same runs in every micro-batch (the CP size and the tokens are
+# fixed; only the documents change), so the runs it asked for once, planned again with the
+# next micro-batch's documents, give every kernel call of that micro-batch before its first
+# step (:mod:`megatron_startrail.microbatch`: their device metadata in one copy).
+
+
+@functools.lru_cache(maxsize=16)
+def _position_index(cp_size: int, cu: tuple[int, ...], padded: tuple[int, ...] | None):
+    """Every storage segment of every CP rank as ``(start, stop, rank, first row)``, by start
+    position (global positions are unique, padding included), and the starts alone."""
+    entries = []
+    for rank in range(cp_size):
+        row = 0
+        for _, a, b in _cp_rank_segments(cp_size, cu, padded, rank):
+            entries.append((a, b, rank, row))
+            row += b - a
+    entries.sort()
+    return [e[0] for e in entries], entries
+
+
+def rank_runs(docs: Documents, segments: tuple[Segment, ...]) -> tuple[tuple[int, int, int], ...]:
+    """``segments`` (rows of ``docs``) as runs ``(cp rank, first row, end row)`` of CP ranks'
+    storage, neighbouring rows of one rank joined (Note [rows of CP ranks])."""
+    starts, entries = _position_index(docs.cp_size, docs.cu_seqlens, docs.cu_seqlens_padded)
+    runs: list[tuple[int, int, int]] = []
+    for _, a, b in segments:
+        while a < b:  # a segment may cross storage segments (of one rank or of several)
+            start, stop, rank, row = entries[bisect.bisect_right(starts, a) - 1]
+            end, first = min(b, stop), row + a - start
+            if runs and runs[-1][0] == rank and runs[-1][2] == first:
+                runs[-1] = (rank, runs[-1][1], first + end - a)
+            else:
+                runs.append((rank, first, first + end - a))
+            a = end
+    return tuple(runs)
+
+
+def segments_of_runs(docs: Documents, runs: tuple[tuple[int, int, int], ...]) -> tuple[Segment, ...]:
+    """The inverse of :func:`rank_runs`: the segments of these rows under ``docs``."""
+    return Segments.of((seg for rank, a, b in runs for seg in segment_rows(cp_rank_segments(docs, rank), a, b)),
+                       docs)
 
 
 # Note [kernel calls]
@@ -337,23 +427,23 @@ class KernelCall:
     def k_index(self) -> tuple[int, ...]:
         return tuple(i for ranges in self.k_rows for a, b in ranges for i in range(a, b))
 
-    def tensor(self, what: str, device, batch: int = 1):
-        """``q_index`` / ``k_index`` (int64) or ``cu_seqlens_q`` / ``cu_seqlens_k`` (int32; with
-        ``batch`` > 1, of the batch folded into the sequence dim: every sequence once per
-        sample) as a tensor on ``device``, made once per call and device: the hot path copies
-        nothing from the host after the first step."""
-        cache = self.__dict__.setdefault("_tensors", {})
-        key = (what, str(device), batch)
-        if key not in cache:
-            import torch  # noqa: PLC0415 - layout.py is pure Python otherwise
+    def values(self, what: str, batch: int = 1) -> tuple[int, ...]:
+        """``q_index`` / ``k_index`` or ``cu_seqlens_q`` / ``cu_seqlens_k``; with ``batch`` > 1 the
+        ``cu_seqlens`` of the batch folded into the sequence dim (every sequence once per sample)."""
+        values = getattr(self, what)
+        if what.startswith("cu_") and batch > 1:
+            total = values[-1]
+            return tuple(x + i * total for i in range(batch) for x in values[:-1]) + (batch * total,)
+        return values
 
-            values = getattr(self, what)
-            if what.startswith("cu_"):
-                total = values[-1]
-                values = [x + i * total for i in range(batch) for x in values[: -1]] + [batch * total]
-            cache[key] = torch.tensor(values, dtype=torch.int32 if what.startswith("cu_") else torch.int64,
-                                      device=device)
-        return cache[key]
+    def tensor(self, what: str, device, batch: int = 1):
+        """:meth:`values` as a tensor on ``device`` (int32 ``cu_seqlens``, int64 indices), made
+        anew at every call: for a call used on its own (tests, the GPU kit). The attention's
+        calls come bound to their micro-batch's metadata, made in one copy
+        (:func:`megatron_startrail.microbatch.device_calls`), and read it from there."""
+        from .microbatch import pack_on_device  # noqa: PLC0415 - layout.py is pure Python otherwise
+
+        return pack_on_device([(self, what, batch)], device)[(self, what, batch)]
 
 
 def _cumulative(lengths: list[int]) -> tuple[int, ...]:
@@ -524,11 +614,16 @@ def _merge_neighbours(sequences, max_rows):
     return out
 
 
-@functools.lru_cache(maxsize=4096)  # pure, and called every step with the same few layouts
 def plan_calls(q_segments: tuple[Segment, ...], k_segments: tuple[Segment, ...], causal: bool,
                window: tuple[int, int] | None = None, max_rows: int | None = None) -> tuple[KernelCall, ...]:
     """The kernel calls that cover exactly the visible (query, key) pairs, each once
     (Note [kernel calls]; Note [causal blocks] for what causal means across chunks)."""
+    return _plan_calls(_plain(q_segments), _plain(k_segments), causal, window, max_rows)
+
+
+@functools.lru_cache(maxsize=4096)  # pure, and called every step with the same few layouts
+def _plan_calls(q_segments: tuple[Segment, ...], k_segments: tuple[Segment, ...], causal: bool,
+                window: tuple[int, int] | None, max_rows: int | None) -> tuple[KernelCall, ...]:
     bounds = normalize_window(window, causal)
     lo, hi = bounds if bounds is not None else (-INF, 0 if causal else INF)
     runs = _key_runs(k_segments)
