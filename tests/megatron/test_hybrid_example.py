@@ -8,7 +8,8 @@ import argparse
 import pytest
 
 from tests.megatron.test_pretrain_example import losses as example_losses
-from tests.megatron.test_pretrain_example import pretrain_gpt
+from tests.megatron.test_pretrain_example import losses_and_grads, pretrain_gpt
+from tests.megatron.utils import assert_first_step_grads_match
 
 # "**--" is attention, attention, MLP, MLP ("*-*-" would be the 2-layer GPT itself: the
 # same modules, initialised alike, log the same losses).
@@ -27,10 +28,12 @@ HYBRID_MOE = ["--hybrid-layer-pattern", "*E*E", "--tensor-model-parallel-size", 
 
 @pytest.mark.parametrize("flags", [EXAMPLE_HYBRID, HYBRID_MOE], ids=["attention_mlp", "attention_moe_EP2"])
 def test_example_trains_a_hybrid_model_with_startrail_tp2_cp4_as_at_cp1(flags):
-    startrail = example_losses(8, *flags, *EXAMPLE_STARTRAIL_CP4)
-    reference = example_losses(2, *flags)
+    startrail, grads = losses_and_grads(8, *flags, *EXAMPLE_STARTRAIL_CP4)
+    reference, ref_grads = losses_and_grads(2, *flags)
     for got, want in zip(startrail, reference):
         assert abs(got - want) <= 1e-5 * want, (startrail, reference)
+    # every parameter's first-step gradient on rank 0 (TP, CP, DP, EP rank 0 in both runs)
+    assert_first_step_grads_match(grads, ref_grads, f"example hybrid {flags[1]} CP4")
     assert reference[-1] < reference[0]  # it learns
     if flags is EXAMPLE_HYBRID:  # the pattern reaches the model: the GPT of the same flags differs
         gpt = example_losses(2, "--tensor-model-parallel-size", "2")
@@ -41,10 +44,11 @@ def test_example_hybrid_packed_documents_with_startrail_log_the_losses_of_the_de
     make = pretrain_gpt.make_indexed_dataset
     make.write_indexed_dataset(make.short_documents(), str(tmp_path / "docs"))
     data = [*EXAMPLE_HYBRID, "--data-path", str(tmp_path / "docs"), "--split", "100,0,0"]
-    packed = example_losses(8, *data, *EXAMPLE_STARTRAIL_CP4, "--dataloader-inter-document-masking")
-    dense_mask = example_losses(2, *data, "--reset-attention-mask", "--reset-position-ids")
+    packed, grads = losses_and_grads(8, *data, *EXAMPLE_STARTRAIL_CP4, "--dataloader-inter-document-masking")
+    dense_mask, ref_grads = losses_and_grads(2, *data, "--reset-attention-mask", "--reset-position-ids")
     for got, want in zip(packed, dense_mask):
         assert abs(got - want) <= 1e-5 * want, (packed, dense_mask)
+    assert_first_step_grads_match(grads, ref_grads, "example hybrid packed CP4")
 
 
 @pytest.mark.parametrize("impl, pattern, packed, message", [
