@@ -2,8 +2,9 @@
 the Hopper build). Optional: constructing one raises ImportError when it is not installed.
 
 A call (Note [kernel calls] in :mod:`megatron_startrail.layout`) is ONE
-``flash_attn_varlen_func``: the call's sequences with their ``cu_seqlens`` (made once per
-call and device) and its window, whose rule is the one the planner writes calls for. Both
+``flash_attn_varlen_func``: the call's sequences with their ``cu_seqlens`` (views of the
+micro-batch's one metadata buffer, Note [device metadata] in
+:mod:`megatron_startrail.microbatch`) and its window, whose rule is the one the planner writes calls for. Both
 take ``[total, h, d]`` (the batch folded into the rows), GQA natively, return lse
 ``[h, total]`` float32 (flash-attn >= 2.6; :mod:`.builds` checks each build once), and need
 one head dim for q, k and v (a multiple of 8): MLA shapes are padded inside the call. Their private backward functions changed parameters
