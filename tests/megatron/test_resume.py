@@ -1,7 +1,9 @@
 """Checkpoint and resume through examples/pretrain_gpt.py with Megatron's own --save/--load
 (torch_dist format): a run interrupted at iteration K continues with the losses of the
 uninterrupted run, in the same layout (identical log lines) and in other CP layouts
-(TP2 x CP4 StarTrail C=2 -> TP2 x CP2 ring, -> TP2 x CP1; within 1e-4 relative).
+(TP2 x CP4 StarTrail C=2 -> TP2 x CP2 ring, -> TP2 x CP1; within 1e-4 relative). The first
+step after the load has the gradients of the uninterrupted run's step K+1: bit for bit in the
+same layout, per parameter within 1e-5 relative in the others.
 
 Only the example's defaults and Megatron's standard flags are used, so the test does not
 depend on the example's data pipeline.
@@ -14,6 +16,7 @@ import re
 import pytest
 
 from tests.megatron.example import run_example_rank
+from tests.megatron.utils import assert_first_step_grads_match, record_first_step_grads
 from tests.multiproc import run_ranks
 
 
@@ -31,8 +34,10 @@ NO_CP = ["--context-parallel-size", "1"]
 LOG_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.* lm loss: ([0-9.E+-]+) \|.* grad norm: ([0-9.]+) \|")
 
 
-def resume_worker(rank, world_size, argv):
-    """One rank of the example; returns the (iteration, lm loss, grad norm) strings it logged."""
+def resume_worker(rank, world_size, argv, grads_of_step):
+    """One rank of the example; returns the (iteration, lm loss, grad norm) strings it logged
+    and, on rank 0 (TP, CP, DP rank 0 in every layout), the gradients of its ``grads_of_step``-th
+    step after Megatron's reduction."""
     # torch_dist saving collects its writer threads' results in a queue that Megatron creates
     # through a spawned multiprocessing Manager; a forked test rank is a daemon process and may
     # not start one. The save runs synchronously in this process (threads only), so a plain
@@ -40,25 +45,33 @@ def resume_worker(rank, world_size, argv):
     from megatron.core.dist_checkpointing.strategies import filesystem_async  # noqa: PLC0415
 
     filesystem_async._results_queue = queue.Queue()
-    return [m.groups() for m in LOG_LINE.finditer(run_example_rank(rank, world_size, argv))]
+    recorded = record_first_step_grads(grads_of_step)
+    lines = [m.groups() for m in LOG_LINE.finditer(run_example_rank(rank, world_size, argv))]
+    return lines, recorded.get("grads") if rank == 0 else None
+
+
+def run_with_grads(world_size, *flags, grads_of_step=1):
+    """The logged {iteration: (loss, grad norm)} and rank 0's gradients of its ``grads_of_step``-th step."""
+    logged = run_ranks(resume_worker, world_size, args=([*COMMON, *flags], grads_of_step), timeout=240)
+    return {int(i): (loss, norm) for i, loss, norm in logged[-1][0]}, logged[0][1]  # logged on the last rank
 
 
 def run(world_size, *flags):
-    logged = run_ranks(resume_worker, world_size, args=([*COMMON, *flags],), timeout=240)
-    return {int(i): (loss, norm) for i, loss, norm in logged[-1]}  # megatron.training logs on the last rank
+    return run_with_grads(world_size, *flags)[0]
 
 
 @pytest.fixture(scope="module")
 def startrail_runs(tmp_path_factory):
     """The uninterrupted TP2 x CP4 StarTrail run, and the same run stopped at INTERRUPT_AT with a checkpoint."""
     ckpt = str(tmp_path_factory.mktemp("ckpt"))
-    full = run(8, *STARTRAIL_CP4)
+    # the uninterrupted run's gradients of step K+1: the resumed runs' first step
+    full, full_grads = run_with_grads(8, *STARTRAIL_CP4, grads_of_step=INTERRUPT_AT + 1)
     first = run(8, *STARTRAIL_CP4, "--save", ckpt, "--save-interval", str(INTERRUPT_AT),
                 "--exit-interval", str(INTERRUPT_AT))
     assert sorted(full) == list(range(1, ITERS + 1)) and sorted(first) == list(range(1, INTERRUPT_AT + 1))
     with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as f:
         assert f.read().strip() == str(INTERRUPT_AT)
-    return full, first, ckpt
+    return full, first, ckpt, full_grads
 
 
 def check_continues(full, resumed, rel_tol):
@@ -79,18 +92,21 @@ def check_continues(full, resumed, rel_tol):
 
 
 def test_interrupted_run_resumes_with_identical_losses(startrail_runs):
-    full, first, ckpt = startrail_runs
+    full, first, ckpt, full_grads = startrail_runs
     assert all(first[i] == full[i] for i in first)  # the same run up to the interruption
-    resumed = run(8, *STARTRAIL_CP4, "--load", ckpt)
+    resumed, grads = run_with_grads(8, *STARTRAIL_CP4, "--load", ckpt)
     # Every line but K+2 (see check_continues) is the uninterrupted run's, character for character.
     assert {i: v for i, v in resumed.items() if i != INTERRUPT_AT + 2} == {
         i: full[i] for i in resumed if i != INTERRUPT_AT + 2
     }, (resumed, full)
     check_continues(full, resumed, rel_tol=0.0)
+    assert_first_step_grads_match(grads, full_grads, "resumed TP2xCP4", tol=0.0)  # the same run: bit for bit
 
 
 @pytest.mark.parametrize("world_size, layout", [(4, RING_CP2), (2, NO_CP)], ids=["TP2xCP2-ring", "TP2xCP1"])
 def test_startrail_checkpoint_resumes_in_another_cp_layout(startrail_runs, world_size, layout):
-    full, _, ckpt = startrail_runs
-    resumed = run(world_size, *layout, "--load", ckpt)
+    full, _, ckpt, full_grads = startrail_runs
+    resumed, grads = run_with_grads(world_size, *layout, "--load", ckpt)
     check_continues(full, resumed, rel_tol=1e-4)
+    # step K+1's gradients, per parameter (issue 36): the first step after the load
+    assert_first_step_grads_match(grads, full_grads, f"resumed in TP2xCP{world_size // 2}")

@@ -185,20 +185,23 @@ def worst_grad_error(grads: dict, ref: dict) -> tuple[float, str]:
     return errors[name], name
 
 
-def record_first_step_grads() -> dict:
+def record_first_step_grads(step: int = 1) -> dict:
     """In a forked rank about to run megatron.training's pretrain (examples/pretrain_gpt.py):
     after the first ``finalize_model_grads`` (gradients reduced over DP x CP, the expert ones
     over expert DP, and scaled as Megatron's DDP does), keep every parameter's ``main_grad``,
     by name. Returns the dict that then holds them under "grads" (empty before the first step).
-    Patched in this forked rank only; the run itself is unchanged."""
+    ``step``: keep the grads of this run's ``step``-th step instead (1: its first). Patched in
+    this forked rank only; the run itself is unchanged."""
     from megatron.training import training  # noqa: PLC0415
 
     recorded: dict = {}
+    calls = [0]
     finalize = training.finalize_model_grads
 
     def recording(model, *args, **kwargs):
         out = finalize(model, *args, **kwargs)
-        if "grads" not in recorded:
+        calls[0] += 1
+        if calls[0] == step:
             recorded["grads"] = {name: p.main_grad.detach().clone().double()
                                  for name, p in model[0].named_parameters()}
         return out
