@@ -46,6 +46,7 @@ from .kernels import check_kernel, kernel_for
 from .initial_send import PieceTransfer
 from .layout import normalize_window
 from .schedule import rotate
+from .sinks import add_sink_, check_sink, local_sink, sink_grad
 from .team import gather_team_and_send, team_segments
 from .timeline import Timeline
 from .transfer import TRANSFERS, LaneSplit, sub_ring_lanes
@@ -82,11 +83,11 @@ def _sub_ring_forward(comm, groups, docs, kernel, transfer, q_team, kv_init: Pie
     return acc_out, acc_lse
 
 
-def _team_merge(comm, groups, partials: list[torch.Tensor], dtype):
+def _team_merge(comm, groups, partials: list[torch.Tensor], dtype, sink=None):
     """Phase 4: member ``m`` merges rows ``[m*n, (m+1)*n)`` of the team's partial results
     ``partials = [acc_out [b, h, C*n, dv], acc_lse [b, h, C*n]]`` (emptied: they are freed
     once sent); returns ``out [n, b, h, dv]`` (``dtype``) and ``lse [n, b, h]`` (accumulator
-    dtype)."""
+    dtype), normalised with the attention sinks ``sink [h]`` when given (:mod:`.sinks`)."""
     c = groups.team_size
     acc_out, acc_lse = partials
     partials.clear()
@@ -103,6 +104,8 @@ def _team_merge(comm, groups, partials: list[torch.Tensor], dtype):
         parts = comm.all_to_all(parts, groups.team_group, c, op="team_merge", wait=False)
         part_lse = comm.all_to_all(part_lse, groups.team_group, c, op="team_merge", wait=False)
         out, lse = blocks.merge_partials(parts.wait(), part_lse.wait())
+    if sink is not None:  # after the last merge, before the cast: in the accumulator dtype
+        add_sink_(out, lse, sink)
     return blocks.finished(out, lse, dtype)  # [n, b, h, dv], [n, b, h]
 
 
@@ -123,9 +126,10 @@ class _StarTrailAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, groups: StarTrailGroups, docs, causal, scale, rotation, transfer, regather,
+    def forward(ctx, q, k, v, sink, groups: StarTrailGroups, docs, causal, scale, rotation, transfer, regather,
                 fwd_stats, bwd_stats, timeline, window):
-        # q [n, b, h, dqk], k [n, b, hkv, dqk], v [n, b, hkv, dv]; n = len(my chunks) * L
+        # q [n, b, h, dqk], k [n, b, hkv, dqk], v [n, b, hkv, dv]; n = len(my chunks) * L;
+        # sink [h] or None (attention sinks of these heads, :mod:`.sinks`)
         kernel = kernel_for(q, k, v, groups.kernel, groups.config.deterministic)
         comm = Communicator(fwd_stats, groups.transport, timeline)
         q_team, kv_init = gather_team_and_send(comm, groups, q, k, v, gather_op="team_all_gather",
@@ -139,7 +143,7 @@ class _StarTrailAttention(torch.autograd.Function):
         kept_kv = None if ctx.regather else kv_init.tensor
         kept_q_team = q_team if not ctx.regather and rotation != "q" else None
         del q_team, kv_init
-        out, lse = _team_merge(comm, groups, partials, q.dtype)
+        out, lse = _team_merge(comm, groups, partials, q.dtype, sink)  # with the sink: what the backward takes
 
         if ctx.regather:
             ctx.save_for_backward(q, k, v, out, lse)
@@ -149,13 +153,17 @@ class _StarTrailAttention(torch.autograd.Function):
             ctx.save_for_backward(kept_q_team, kept_kv, out, lse)
         ctx.groups, ctx.docs, ctx.causal, ctx.scale, ctx.kernel = groups, docs, causal, scale, kernel
         ctx.rotation, ctx.transfer, ctx.bwd_stats, ctx.timeline = rotation, transfer, bwd_stats, timeline
-        ctx.window = window
+        ctx.window, ctx.sink = window, sink
         return out
 
     @staticmethod
     def backward(ctx, dout):
+        dsink = None
+        if ctx.needs_input_grad[3]:  # from out', lse' as saved (the last two), before the backward frees them
+            out, lse = ctx.saved_tensors[-2:]
+            dsink = sink_grad(dout, out, lse, ctx.sink)
         dq, dk, dv = (backward_q if ctx.rotation == "q" else backward_kv)(ctx, dout)
-        return (dq, dk, dv) + (None,) * 11
+        return (dq, dk, dv, dsink) + (None,) * 11
 
 
 def _window(window_size, causal: bool) -> tuple[int, int] | None:
@@ -229,6 +237,7 @@ def startrail_attn(
     cp_group=None,
     window_size: tuple[int, int] | None = None,
     halo_exchange: bool = True,
+    softmax_offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact softmax attention over the whole context-parallel group.
 
@@ -272,26 +281,36 @@ def startrail_attn(
     ``cp_group`` (optional): the context-parallel process group of this rank, e.g.
     Megatron's ``pg_collection.cp``; it must hold the CP ranks the StarTrail groups were
     built for. The packed-document agreement runs on it (default: the StarTrail groups' own).
+
+    ``softmax_offset [heads]``: attention sinks, a logit per head added to every row's softmax
+    denominator (Megatron's ``--softmax-type``; :mod:`megatron_startrail.sinks`).
     """
-    # The run's settings come with the groups (StarTrailConfig); a keyword given here
-    # overrides it for this call (the functional API's tests and benchmarks).
-    transfer = groups.config.transfer if transfer is None else transfer
-    if regather_in_backward is None:
-        regather_in_backward = groups.config.regather_in_backward
-    if transfer not in TRANSFERS:
-        raise ValueError(f"transfer={transfer!r} is not one of {TRANSFERS}")
+    transfer, regather_in_backward = _settings(groups, transfer, regather_in_backward)
     thd = cu_seqlens is not None and q.dim() == 3
     if thd:  # [t, h, d] -> [t, 1, h, d]
         q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
     check_inputs(q, k, v, groups)
+    check_sink(softmax_offset, q.shape[2], q.device)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     stats = CommStats(), CommStats()  # forward, backward
     groups.last_forward_stats, groups.last_backward_stats = stats
     docs = agree_on_documents(cu_seqlens, cu_seqlens_padded, q.shape[0], q.shape[1], groups, stats[0], q.device,
                               cp_group)
-    out = _attend(q, k, v, groups, docs, stats, timeline, causal=causal, scale=scale, transfer=transfer,
-                  regather=bool(regather_in_backward), window=_window(window_size, causal), halo=halo_exchange)
+    out = _attend(q, k, v, softmax_offset, groups, docs, stats, timeline, causal=causal, scale=scale,
+                  transfer=transfer, regather=bool(regather_in_backward), window=_window(window_size, causal),
+                  halo=halo_exchange)
     return out.squeeze(1) if thd else out
+
+
+def _settings(groups: StarTrailGroups, transfer, regather_in_backward) -> tuple[str, bool]:
+    """The run's settings come with the groups (StarTrailConfig); a keyword given to
+    :func:`startrail_attn` overrides them for one call (the functional API's tests and benchmarks)."""
+    transfer = groups.config.transfer if transfer is None else transfer
+    if regather_in_backward is None:
+        regather_in_backward = groups.config.regather_in_backward
+    if transfer not in TRANSFERS:
+        raise ValueError(f"transfer={transfer!r} is not one of {TRANSFERS}")
+    return transfer, regather_in_backward
 
 
 def _backward_rotation(groups: StarTrailGroups, q, k, v) -> str:
@@ -303,19 +322,21 @@ def _backward_rotation(groups: StarTrailGroups, q, k, v) -> str:
     return choose_backward_rotation(shape, groups.ulysses_size, groups.team_size)
 
 
-def _attend(q, k, v, groups, docs, stats, timeline, *, causal, scale, transfer, regather, window, halo):
+def _attend(q, k, v, sink, groups, docs, stats, timeline, *, causal, scale, transfer, regather, window, halo):
     """The halo exchange where every window reaches only the CP neighbours, else (around the
-    Ulysses all-to-alls) :class:`_StarTrailAttention`; ``[n, b, h, dv]``."""
+    Ulysses all-to-alls) :class:`_StarTrailAttention`; ``[n, b, h, dv]``. ``sink [h]`` or None."""
     fwd_stats, bwd_stats = stats
     plan = halo_plan(docs, window, causal, groups.cp_rank) if window is not None and halo else None
     if plan is not None:  # exchange just the keys the windows reach
         kernel = kernel_for(q, k, v, groups.kernel, groups.config.deterministic)
-        return halo_attn(q, k, v, groups, docs, plan, window, causal, scale, kernel, fwd_stats, bwd_stats, timeline)
+        return halo_attn(q, k, v, sink, groups, docs, plan, window, causal, scale, kernel, fwd_stats, bwd_stats,
+                         timeline)
     rotation = _backward_rotation(groups, q, k, v)
+    sink = local_sink(sink, q.shape[2], groups.ulysses_size, groups.ulysses_rank)  # this rank's heads after Ulysses
     if groups.ulysses_size > 1:
         q, k, v = gather_sequence(q, k, v, groups, fwd_stats, bwd_stats, timeline)
-    out = _StarTrailAttention.apply(q, k, v, groups, docs, causal, scale, rotation, transfer, regather, fwd_stats,
-                                    bwd_stats, timeline, window)
+    out = _StarTrailAttention.apply(q, k, v, sink, groups, docs, causal, scale, rotation, transfer, regather,
+                                    fwd_stats, bwd_stats, timeline, window)
     if groups.ulysses_size > 1:
         out = scatter_sequence(out, groups, fwd_stats, bwd_stats, timeline)
     return out

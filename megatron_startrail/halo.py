@@ -36,6 +36,7 @@ import torch
 from . import blocks
 from .comm import Communicator
 from .layout import Documents, Segment, coalesce, cp_rank_segments, normalize_window, segment_rows
+from .sinks import add_sink_, sink_grad
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,7 @@ class _HaloAttention(torch.autograd.Function):
     """Windowed attention of this rank's queries over its own and its neighbours' keys."""
 
     @staticmethod
-    def forward(ctx, q, k, v, groups, docs, plan: HaloPlan, window, causal, scale, kernel, fwd_stats, bwd_stats,
+    def forward(ctx, q, k, v, sink, groups, docs, plan: HaloPlan, window, causal, scale, kernel, fwd_stats, bwd_stats,
                 timeline):
         # q [n, b, h, dqk], k [n, b, hkv, dqk], v [n, b, hkv, dv]  (before any Ulysses all-to-all)
         comm = Communicator(fwd_stats, groups.cp_transport, timeline)
@@ -127,16 +128,20 @@ class _HaloAttention(torch.autograd.Function):
         q_segments, k_segments = cp_rank_segments(docs, plan.rank), plan.key_segments(docs)
         blocks.forward_step(kernel, q, kv_all, q_segments, k_segments, acc_out, acc_lse, causal=causal,
                             scale=scale, window=window)
+        if sink is not None:  # attention sinks (sinks.py): the rows' final normalisation
+            add_sink_(acc_out, acc_lse, sink)
         out, lse = blocks.finished(acc_out, acc_lse, q.dtype)  # [n, b, h, dv], [n, b, h]
         dqk = q.shape[-1]
         ctx.save_for_backward(q, kv_all, out, lse)
         ctx.meta = (groups, docs, plan, window, causal, scale, kernel, bwd_stats, timeline, dqk)
+        ctx.sink = sink
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, kv_all, out, lse = ctx.saved_tensors
         groups, docs, plan, window, causal, scale, kernel, bwd_stats, timeline, dqk = ctx.meta
+        dsink = sink_grad(dout, out, lse, ctx.sink) if ctx.needs_input_grad[3] else None
         acc = blocks.acc_dtype(q.dtype)
         dq = q.new_zeros(q.shape, dtype=acc)
         dkv_all = kv_all.new_zeros(kv_all.shape, dtype=acc)
@@ -153,10 +158,10 @@ class _HaloAttention(torch.autograd.Function):
         for (buf, _), (_, ranges) in zip(got, plan.send):
             blocks.add_rows(dkv, buf, ranges)
         dtype = q.dtype
-        return (dq.to(dtype), *blocks.split_kv(dkv, dqk, dtype)) + (None,) * 10
+        return (dq.to(dtype), *blocks.split_kv(dkv, dqk, dtype), dsink) + (None,) * 10
 
 
-def halo_attn(q, k, v, groups, docs, plan, window, causal, scale, kernel, fwd_stats, bwd_stats, timeline):
-    """:class:`_HaloAttention` on this rank's CP shard: ``[n, b, h, dv]``."""
-    return _HaloAttention.apply(q, k, v, groups, docs, plan, window, causal, scale, kernel, fwd_stats, bwd_stats,
-                                timeline)
+def halo_attn(q, k, v, sink, groups, docs, plan, window, causal, scale, kernel, fwd_stats, bwd_stats, timeline):
+    """:class:`_HaloAttention` on this rank's CP shard: ``[n, b, h, dv]`` (``sink [h]``: attention sinks, or None)."""
+    return _HaloAttention.apply(q, k, v, sink, groups, docs, plan, window, causal, scale, kernel, fwd_stats,
+                                bwd_stats, timeline)

@@ -87,9 +87,13 @@ def reference_packed_with_grads(q, k, v, dout, doc, causal, scale):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def windowed_reference(q, k, v, dout, doc, positions, window, causal, scale):
+def windowed_reference(q, k, v, dout, doc, positions, window, causal, scale, sink=None):
     """Float64 attention on ``[s, b, h, d]`` where query i sees key j iff both are of one
-    document (not padding) and ``pos_i - left <= pos_j <= pos_i + right`` (-1: unbounded)."""
+    document (not padding) and ``pos_i - left <= pos_j <= pos_i + right`` (-1: unbounded).
+
+    ``sink [h]``: attention sinks the way Megatron's ``SoftmaxOne`` makes them -- a column
+    of logits ``sink[h]`` appended to the scores and dropped after the softmax; then its
+    gradient is returned too (out, dq, dk, dv, dsink)."""
     q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
     heads, kv_heads, s = q.shape[2], k.shape[2], q.shape[0]
     kk, vv = (t.repeat_interleave(heads // kv_heads, dim=2) for t in (k, v))
@@ -97,8 +101,15 @@ def windowed_reference(q, k, v, dout, doc, positions, window, causal, scale):
     mask = (doc[:, None] == doc[None, :]) & (doc[:, None] != PAD) & window_mask(delta, window, causal)
     real = mask.any(dim=1)
     mask |= torch.eye(s, dtype=torch.bool) & ~real[:, None]
-    scores = torch.einsum("sbhd,tbhd->bhst", q, kk) * scale
-    out = torch.einsum("bhst,tbhd->sbhd", torch.softmax(scores.masked_fill(~mask, float("-inf")), -1), vv)
+    scores = (torch.einsum("sbhd,tbhd->bhst", q, kk) * scale).masked_fill(~mask, float("-inf"))
+    if sink is not None:
+        sink = sink.clone().requires_grad_(True)
+        column = sink.view(1, -1, 1, 1).expand(scores.shape[0], -1, s, 1)
+        probs = torch.softmax(torch.cat([scores, column], dim=-1), -1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, -1)
+    out = torch.einsum("bhst,tbhd->sbhd", probs, vv)
     out = out * real[:, None, None, None]
     out.backward(dout)
-    return out.detach(), q.grad, k.grad, v.grad
+    grads = (q.grad, k.grad, v.grad) + ((sink.grad,) if sink is not None else ())
+    return (out.detach(), *grads)

@@ -104,9 +104,11 @@ def _documents(s: Setting, seed: int):
     return cu, padded, document_of_positions(cu, padded), [held_positions(r, WORLD, cu, padded) for r in range(WORLD)]
 
 
-def run_setting(groups, rank, s: Setting, layout: str, dtype, seed: int) -> dict[str, float]:
+def run_setting(groups, rank, s: Setting, layout: str, dtype, seed: int, sink: str | None = None) -> dict[str, float]:
     """One setting on one layout: relative error of out, dq, dk, dv against float64 (packed:
-    of batch 0, the one sample handed to the attention)."""
+    of batch 0, the one sample handed to the attention). ``sink``: with attention sinks,
+    "off-by-one" (zeros, no gradient) or "learnable" (random logits; then the sinks'
+    gradient, summed over the ranks -- collective on the default group -- is checked too)."""
     cu, padded, doc, held = _documents(s, seed)
     seq, mine = len(doc), held[rank]
     # K/V share one stored head when the layout expands them; the reference sees them expanded.
@@ -117,28 +119,38 @@ def run_setting(groups, rank, s: Setting, layout: str, dtype, seed: int) -> dict
     def expand(t):
         return t.expand(seq, BATCH, s.kv_heads, t.shape[-1])
 
-    ref = windowed_reference(q, expand(k), expand(v), dout, doc, torch.arange(seq), s.window or (-1, -1), s.causal,
-                             s.dqk**-0.5)
+    packed, thd = s.packing != "dense", s.packing == "document"
+    sinks = None if sink is None else torch.zeros(s.heads, dtype=torch.float64) if sink == "off-by-one" else \
+        torch.randn(s.heads, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    ref_inputs = [q, expand(k), expand(v), dout]
+    if packed:  # the reference of the one sample handed over
+        ref_inputs = [t[:, :1] for t in ref_inputs]
+    ref = windowed_reference(*ref_inputs, doc, torch.arange(seq), s.window or (-1, -1), s.causal, s.dqk**-0.5,
+                             sink=sinks)
     leaves = [t[mine].to(dtype).requires_grad_(True) for t in (q, k, v)]
     lq, lk, lv = _make_views(layout, *leaves, s.kv_heads)
     local_dout = _strided_dout(dout[mine].to(dtype))
-    packed, thd = s.packing != "dense", s.packing == "document"
     if packed:  # one packed sample: [t, 1, h, d] (Megatron), or THD [t, h, d] (Transformer Engine) --
         # batch 0 of the strided storage
         lq, lk, lv, local_dout = (t[:, 0] if thd else t[:, :1] for t in (lq, lk, lv, local_dout))
+    local_sinks = None if sinks is None else sinks.to(dtype).requires_grad_(sink == "learnable")
     out = startrail_attn(lq, lk, lv, groups, causal=s.causal, softmax_scale=s.dqk**-0.5, cu_seqlens=cu,
                          cu_seqlens_padded=padded, transfer=s.transfer, regather_in_backward=s.regather,
-                         window_size=s.window, halo_exchange=s.halo)
+                         window_size=s.window, halo_exchange=s.halo, softmax_offset=local_sinks)
     assert out.shape == lq.shape[:-1] + (s.dv,), (out.shape, lq.shape)
     out.backward(local_dout)
 
-    def rows(t, kv=False):  # this rank's rows of a reference tensor (batch 0 in THD; expanded heads summed)
-        t = t[mine][:, :1] if packed else t[mine]
-        return t.sum(2, keepdim=True) if kv and stored_kv < s.kv_heads else t
+    def rows(t, kv=False):  # this rank's rows of a reference tensor (expanded heads summed)
+        return t[mine].sum(2, keepdim=True) if kv and stored_kv < s.kv_heads else t[mine]
 
     want = [rows(ref[0]), rows(ref[1]), rows(ref[2], kv=True), rows(ref[3], kv=True)]
     got = [out.unsqueeze(1) if thd else out] + [t.grad[:, :1] if packed else t.grad for t in leaves]
-    return {name: relative_error(g, w) for name, g, w in zip(("out", "dq", "dk", "dv"), got, want)}
+    errors = {name: relative_error(g, w) for name, g, w in zip(("out", "dq", "dk", "dv"), got, want)}
+    if sink == "learnable":  # every rank's rows' share, summed (what Megatron's gradient all-reduce does)
+        dsink = local_sinks.grad.clone()
+        torch.distributed.all_reduce(dsink)
+        errors["dsink"] = relative_error(dsink, ref[4])
+    return errors
 
 
 def fuzz_worker(rank, world_size):

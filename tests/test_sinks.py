@@ -1,0 +1,55 @@
+"""Attention sinks (``softmax_offset``, Megatron's ``--softmax-type off-by-one | learnable``)
+against float64 attention with Megatron's ``SoftmaxOne`` rule, the sinks' gradient included.
+
+Every setting of the layout fuzz (both rotations, regathering, Ulysses with 1 < kv heads < U,
+TASP's multi-ring, windows by halo and by schedule, both packed layouts, MLA, GQA/MQA) runs
+with learnable sinks in float64 and float32 and with off-by-one sinks in float64, on the
+fused-QKV views Megatron hands over. The sinks' gradient is each rank's rows' share, summed
+over the ranks as Megatron's gradient all-reduce does.
+"""
+
+import pytest
+import torch
+
+from megatron_startrail import new_startrail_groups, startrail_attn
+from tests.multiproc import run_ranks
+from tests.test_layout_fuzz import SETTINGS, TOL, WORLD, run_setting
+
+RUNS = [("learnable", torch.float64), ("off-by-one", torch.float64), ("learnable", torch.float32)]
+
+
+def sinks_worker(rank, world_size):
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    groups, failures, checked = {}, [], 0
+    for index, s in enumerate(SETTINGS):
+        key = (s.team, s.ulysses, s.rotation)
+        if key not in groups:
+            groups[key] = new_startrail_groups(team_size=s.team, ulysses_size=s.ulysses, backward_rotation=s.rotation)
+        for sink, dtype in RUNS:
+            errors = run_setting(groups[key], rank, s, "fused", dtype, seed=900 + index, sink=sink)
+            checked += 1
+            for name, err in errors.items():
+                if not err <= TOL[dtype]:
+                    failures.append(f"{s.name} / {sink} / {dtype}: {name} error {err:.3g}")
+    return failures, checked
+
+
+def test_sinks_are_exact_on_every_setting():
+    results = run_ranks(sinks_worker, WORLD, timeout=600)
+    failures = sorted({f for fails, _ in results for f in fails})
+    assert not failures, "\n".join(failures[:40])
+    assert all(n == len(SETTINGS) * len(RUNS) for _, n in results)
+
+
+def bad_sink_worker(rank, world_size, shape, dtype):
+    groups = new_startrail_groups(team_size=1)
+    q = torch.randn(4, 1, 4, 8)
+    with pytest.raises(ValueError, match="softmax_offset"):
+        startrail_attn(q, q[:, :, :2], q[:, :, :2], groups, softmax_offset=torch.zeros(shape, dtype=dtype))
+    return True
+
+
+@pytest.mark.parametrize("shape, dtype", [((2,), torch.float32), ((1, 4), torch.float32), ((4,), torch.int64)])
+def test_a_sink_of_the_wrong_shape_or_dtype_is_refused(shape, dtype):
+    assert all(run_ranks(bad_sink_worker, 2, args=(shape, dtype)))
