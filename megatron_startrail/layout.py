@@ -390,6 +390,13 @@ class KernelCall:
             a, b = a + sq, b + sk
         return cls(tuple(q_rows), tuple(k_rows), tuple(window))
 
+    def __hash__(self) -> int:  # the key of the device metadata, looked up every step: hashed once
+        return self._hash
+
+    @functools.cached_property
+    def _hash(self) -> int:
+        return hash((self.q_rows, self.k_rows, self.window))
+
     @property
     def causal(self) -> bool:
         return self.window == (-1, 0)

@@ -92,7 +92,8 @@ def _drop_entry(entries_ref, key, dead_ref) -> None:
 # is one object for the whole run (layout.dense_sequence), so its metadata is made once.
 
 _REQUESTS_PER_SHAPE = 1024  # distinct (q rows, k rows, mask) requests kept per (CP size, tokens)
-_REQUESTS: dict[tuple[int, int], OrderedDict] = {}
+_SHAPES = 64  # (CP size, tokens) kept: runs whose sequence length varies (SFT) learn each anew
+_REQUESTS: OrderedDict[tuple[int, int], OrderedDict] = OrderedDict()
 
 
 def pack_on_device(items, device) -> dict:
@@ -178,8 +179,12 @@ class DeviceCalls:
 
 def _requests(docs) -> OrderedDict:
     """The requests kept for documents of this CP size and length (Note [device metadata])."""
-    total = (docs.cu_seqlens_padded or docs.cu_seqlens)[-1]
-    return _REQUESTS.setdefault((docs.cp_size, total), OrderedDict())
+    shape = (docs.cp_size, (docs.cu_seqlens_padded or docs.cu_seqlens)[-1])
+    requests = _REQUESTS.setdefault(shape, OrderedDict())
+    _REQUESTS.move_to_end(shape)
+    while len(_REQUESTS) > _SHAPES:
+        _REQUESTS.popitem(last=False)
+    return requests
 
 
 def _remember(docs, q_segments, k_segments, causal, window, max_rows) -> None:
