@@ -33,12 +33,6 @@ class AttentionOption:
 
 UNSUPPORTED = (
     AttentionOption(
-        "softmax_type", "--softmax-type",
-        lambda v: v not in (None, "vanilla"),
-        "the off-by-one / learnable softmax offset (attention sinks) is not implemented by StarTrail",
-        "use --softmax-type vanilla",
-    ),
-    AttentionOption(
         "apply_query_key_layer_scaling", "--apply-query-key-layer-scaling",
         bool,
         "StarTrail scales scores by the softmax scale only, not by the layer number",

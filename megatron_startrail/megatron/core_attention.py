@@ -45,6 +45,7 @@ from ..attention import startrail_attn
 from ..groups import StarTrailGroups
 from .attention_options import check_attention_options
 from .dynamic_cp import DynamicCPGroups
+from .softmax_offset import make_softmax_offset, softmax_offset_sharded_state_dict, tp_group_of
 
 # Causal masks are applied by the schedule (the mask tensor, if any, is not needed);
 # "no mask" / "padding" mean full attention and work only without an actual mask tensor.
@@ -135,6 +136,9 @@ class StarTrailCoreAttention(MegatronModule):
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
         self.startrail_groups = startrail_groups
         self.v_channels = v_channels  # None: value's head dim is the query's
+        # --softmax-type (attention sinks): Megatron's own softmax_offset, one per head of the TP partition
+        self.tp_group = tp_group_of(pg_collection)
+        make_softmax_offset(self, config, config.num_attention_heads // self.tp_group.size())
 
     def forward(
         self,
@@ -172,10 +176,14 @@ class StarTrailCoreAttention(MegatronModule):
             query, key, value, groups,
             causal=causal, softmax_scale=self.softmax_scale,
             cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded,
-            cp_group=cp_group, window_size=self.window_size,
+            cp_group=cp_group, window_size=self.window_size, softmax_offset=self.softmax_offset,
         )
         # [s/CP, b, np, hv] -> [s/CP, b, np * hv]   (THD: -> [t/CP, np * hv])
         return out.reshape(*out.shape[:-2], -1)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata: dict | None = None):
+        """The learnable sinks as Megatron's ``DotProductAttention`` checkpoints them."""
+        return softmax_offset_sharded_state_dict(self, self.tp_group, prefix, sharded_offsets, metadata)
 
     def _groups_for(self, packed_seq_params) -> tuple[StarTrailGroups, object]:
         """The StarTrail groups of this call and the process group of its CP ranks: fixed, or,
@@ -222,6 +230,9 @@ class LocalMLACoreAttention(MegatronModule):
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if attn_mask_type not in _CAUSAL or dropout != 0.0:
             raise ValueError("LocalMLACoreAttention is causal self-attention without dropout (--attention-dropout 0)")
+        if getattr(config, "softmax_type", "vanilla") not in (None, "vanilla"):
+            raise ValueError("LocalMLACoreAttention (CP = 1, MLA on CPU) has no attention sinks: use --softmax-type "
+                             "vanilla, or --context-parallel-algo startrail")
         self.softmax_scale = softmax_scale if softmax_scale is not None else (k_channels or config.kv_channels) ** -0.5
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,

@@ -166,8 +166,6 @@ def test_validation_errors_name_the_flag(monkeypatch, flags, message):
 # Every megatron-core 0.19.2 option that changes the attention's mask or softmax and that
 # StarTrail does not implement (megatron_startrail/megatron/attention_options.py).
 UNSUPPORTED_ATTENTION_FLAGS = [
-    (["--softmax-type", "off-by-one"], "--softmax-type off-by-one"),
-    (["--softmax-type", "learnable"], "--softmax-type learnable"),
     (["--apply-query-key-layer-scaling"], "--apply-query-key-layer-scaling"),
     (["--attention-dropout", "0.1"], "--attention-dropout 0.1"),
     (["--qk-clip"], "--qk-clip"),
@@ -197,10 +195,12 @@ def test_attention_options_startrail_does_not_implement_are_refused(monkeypatch,
 
 
 def test_attention_options_startrail_implements_are_accepted(monkeypatch):
-    """Sliding windows (StarTrail applies them, tests/test_window.py) and vanilla softmax;
+    """Sliding windows (StarTrail applies them, tests/test_window.py), vanilla softmax and
+    attention sinks (tests/test_sinks.py);
     Megatron's own CP is not checked at all."""
     for flags in (["--window-size=-1,0"], ["--window-size", "32,0"], ["--window-size", "8,8"],
-                  ["--window-size", "32,0", "--window-attn-skip-freq", "2"], ["--softmax-type", "vanilla"]):
+                  ["--window-size", "32,0", "--window-attn-skip-freq", "2"], ["--softmax-type", "vanilla"],
+                  ["--softmax-type", "off-by-one"], ["--softmax-type", "learnable"]):
         validate_startrail_args(parse(monkeypatch, "--context-parallel-size", "4", "--context-parallel-algo",
                                       "startrail", "--startrail-team-size", "2", *flags))
     validate_startrail_args(parse(monkeypatch, "--context-parallel-size", "4", "--window-size", "32,0"))

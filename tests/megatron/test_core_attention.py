@@ -110,8 +110,6 @@ def test_constructor_errors_name_the_setting():
 
 
 @pytest.mark.parametrize("field, value, flag", [
-    ("softmax_type", "off-by-one", "--softmax-type off-by-one"),
-    ("softmax_type", "learnable", "--softmax-type learnable"),
     ("apply_query_key_layer_scaling", True, "--apply-query-key-layer-scaling"),
     ("qk_clip", True, "--qk-clip"),
     ("log_max_attention_logit", True, "--log-max-attention-logit"),
