@@ -3,7 +3,8 @@
 uninterrupted run, in the same layout (identical log lines) and in other CP layouts
 (TP2 x CP4 StarTrail C=2 -> TP2 x CP2 ring, -> TP2 x CP1; within 1e-4 relative). The first
 step after the load has the gradients of the uninterrupted run's step K+1: bit for bit in the
-same layout, per parameter within 1e-5 relative in the others.
+same layout, per parameter within 1e-5 relative in the others. A gpt-oss-like run (learnable
+sinks, a window on every other layer, GQA 8:1) saved at CP4 C2 resumes at CP = 1 likewise.
 
 Only the example's defaults and Megatron's standard flags are used, so the test does not
 depend on the example's data pipeline.
@@ -16,7 +17,7 @@ import re
 import pytest
 
 from tests.megatron.example import run_example_rank
-from tests.megatron.utils import assert_first_step_grads_match, record_first_step_grads
+from tests.megatron.utils import assert_first_step_grads_match, record_first_step_grads, relative_grad_errors
 from tests.multiproc import run_ranks
 
 
@@ -110,3 +111,29 @@ def test_startrail_checkpoint_resumes_in_another_cp_layout(startrail_runs, world
     check_continues(full, resumed, rel_tol=1e-4)
     # step K+1's gradients, per parameter (issue 36): the first step after the load
     assert_first_step_grads_match(grads, full_grads, f"resumed in TP2xCP{world_size // 2}")
+
+
+# gpt-oss's attention (issue 37): learnable sinks, a window of 128 on every other layer, GQA
+# 8:1 (16 heads, 2 query groups: 8 heads and 1 group per TP2 partition). At 256 tokens and CP4
+# (chunks of 32) the window reaches past the neighbours: the StarTrail schedule's masked blocks.
+GPT_OSS = ["--softmax-type", "learnable", "--window-size", "128,0", "--window-attn-skip-freq", "2",
+           "--num-attention-heads", "16", "--group-query-attention", "--num-query-groups", "2"]
+
+
+def test_checkpoint_with_sinks_and_windows_resumes_at_cp1(tmp_path):
+    """Saved at TP2 x CP4 C2 with StarTrail, loaded at TP2 x CP1 with Megatron's own core
+    attention: the sinks' softmax_offset is the same parameter in both (name, shape, TP
+    sharding), so the resumed run continues the uninterrupted one. One StarTrail run both
+    saves at K (--save-interval K, no exit: saving changes nothing in the run) and records
+    step K+1's gradients; the CP1 run loads iteration K (--ckpt-step: the run also saved at N)."""
+    ckpt = str(tmp_path / "ckpt")
+    full, full_grads = run_with_grads(8, *STARTRAIL_CP4, *GPT_OSS, "--save", ckpt, "--save-interval",
+                                      str(INTERRUPT_AT), grads_of_step=INTERRUPT_AT + 1)
+    assert sorted(full) == list(range(1, ITERS + 1))
+    assert any(name.endswith("softmax_offset") for name in full_grads), sorted(full_grads)
+    resumed, grads = run_with_grads(2, *NO_CP, *GPT_OSS, "--load", ckpt, "--ckpt-step", str(INTERRUPT_AT))
+    check_continues(full, resumed, rel_tol=1e-4)
+    assert_first_step_grads_match(grads, full_grads, "sinks + windows resumed in TP2xCP1")
+    sinks = {n: e for n, e in relative_grad_errors(grads, full_grads).items() if n.endswith("softmax_offset")}
+    print(f"softmax_offset after the load: relative grad errors {sinks}")  # shown with pytest -s
+    assert len(sinks) == 2, sorted(grads)  # one per layer, both layers' sinks loaded and learning
