@@ -32,6 +32,10 @@ class StarTrailConfig:
     # PyTorch's own ops follow torch.use_deterministic_algorithms, which the flag sets
     # [--deterministic-mode]
     deterministic: bool = False
+    # Under Megatron's recomputation, run the attention's forward again (communication
+    # included) instead of taking the output and graph kept from the first forward
+    # (Note [attention kept through recomputation]) [--startrail-recompute-attention]
+    recompute_attention: bool = False
 
     def __post_init__(self) -> None:
         for name, flag in (("team_size", "--startrail-team-size"), ("ulysses_size", "--ulysses-degree-in-cp")):
@@ -44,6 +48,7 @@ class StarTrailConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} ({flag}) is not one of {allowed}")
         for name, flag in (("regather_in_backward", "--startrail-regather-in-backward"),
-                           ("deterministic", "--deterministic-mode")):
+                           ("deterministic", "--deterministic-mode"),
+                           ("recompute_attention", "--startrail-recompute-attention")):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} ({flag}) must be a bool")

@@ -83,6 +83,14 @@ def add_startrail_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "activation memory for one more team all-gather (inside a node) and initial send per layer.",
     )
     group.add_argument(
+        "--startrail-recompute-attention", action="store_true",
+        help="Under --recompute-granularity full, or selective with core_attn: recompute the attention "
+        "too, communication included, and keep nothing of it between the passes. Default: the StarTrail "
+        "paper's checkpoint placement -- the recomputation takes the attention's output and graph kept "
+        "from the first forward and communicates nothing (it keeps what the attention keeps without "
+        "recomputation).",
+    )
+    group.add_argument(
         "--startrail-memory-limit-gb", type=float, default=None, metavar="GB",
         help="Per-rank limit (1e9 bytes) for the attention layers of a pipeline stage: what they keep for "
         "the backward of ONE micro-batch plus one layer's transient buffers while it runs (with 1F1B a "

@@ -45,6 +45,7 @@ from ..attention import startrail_attn
 from ..groups import StarTrailGroups
 from .attention_options import check_attention_options
 from .dynamic_cp import DynamicCPGroups
+from .kept_attention import KeptAttention
 from .softmax_offset import make_softmax_offset, softmax_offset_sharded_state_dict, tp_group_of
 
 # Causal masks are applied by the schedule (the mask tensor, if any, is not needed);
@@ -138,6 +139,7 @@ class StarTrailCoreAttention(MegatronModule):
         self.v_channels = v_channels  # None: value's head dim is the query's
         # --softmax-type (attention sinks): Megatron's own softmax_offset, one per head of the TP partition
         self.tp_group = tp_group_of(pg_collection)
+        self.kept = KeptAttention()  # attention graphs kept through recomputation, oldest first
         make_softmax_offset(self, config, config.num_attention_heads // self.tp_group.size())
 
     def forward(
@@ -171,13 +173,14 @@ class StarTrailCoreAttention(MegatronModule):
                 f"value head dim {value.shape[-1]} != v_channels {self.v_channels} (--v-head-dim); "
                 "StarTrail takes V at its own head dim, unpadded"
             )
-        # [s/CP, b, np, hn] -> [s/CP, b, np, hv]   (THD: [t/CP, np, hn] -> [t/CP, np, hv])
-        out = startrail_attn(
-            query, key, value, groups,
-            causal=causal, softmax_scale=self.softmax_scale,
-            cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded,
-            cp_group=cp_group, window_size=self.window_size, softmax_offset=self.softmax_offset,
-        )
+        def attend(q, k, v):  # [s/CP, b, np, hn] -> [s/CP, b, np, hv]   (THD: [t/CP, np, hn] -> [t/CP, np, hv])
+            return startrail_attn(q, k, v, groups, causal=causal, softmax_scale=self.softmax_scale,
+                                  cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded, cp_group=cp_group,
+                                  window_size=self.window_size, softmax_offset=self.softmax_offset)
+
+        # Under Megatron's recomputation the attention runs once (Note [attention kept through recomputation])
+        out = self.kept.run(attend, query, key, value, training=self.training,
+                            enabled=not self.startrail_groups.config.recompute_attention)
         # [s/CP, b, np, hv] -> [s/CP, b, np * hv]   (THD: -> [t/CP, np * hv])
         return out.reshape(*out.shape[:-2], -1)
 

@@ -84,7 +84,8 @@ def startrail_groups_from_args(args) -> StarTrailGroups | DynamicCPGroups:
                   f"transfer {config.transfer}, "
                   f"regather in backward {'on' if config.regather_in_backward else 'off'}, backward rotation "
                   f"{config.backward_rotation}, "
-                  f"kernel {config.kernel}", flush=True)
+                  f"kernel {config.kernel}, attention "
+                  f"{'recomputed' if config.recompute_attention else 'kept'} under recomputation", flush=True)
     return _built[2]
 
 
@@ -95,6 +96,7 @@ def config_from_args(args) -> StarTrailConfig:
         backward_rotation=args.startrail_backward_rotation, transfer=args.startrail_transfer,
         regather_in_backward=bool(args.startrail_regather_in_backward), kernel=args.startrail_kernel,
         deterministic=bool(getattr(args, "deterministic_mode", False)),
+        recompute_attention=bool(getattr(args, "startrail_recompute_attention", False)),
     )
 
 

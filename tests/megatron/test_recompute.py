@@ -1,0 +1,122 @@
+"""The StarTrail paper's checkpoint placement under Megatron's recomputation
+(megatron_startrail/megatron/kept_attention.py): examples/pretrain_gpt.py at PP2 x CP4, C = 2,
+plain and interleaved pipeline stages, with ``--recompute-granularity full`` (uniform and
+block) and ``selective`` (``core_attn``).
+
+Every run counts the P2P bytes StarTrail posts on all ranks in the training iterations
+(evaluation passes left out): with the attention kept they equal the run without
+recomputation; ``--startrail-recompute-attention`` (the attention recomputed, as Megatron
+alone would) moves 1.5x. Losses and global rank 0's first-step gradients equal CP = 1 with
+the same pipeline layout and recomputation. An evaluation pass keeps nothing, and nothing
+stays kept after the run.
+"""
+
+import math
+
+import pytest
+
+from tests.megatron.example import run_example_rank
+from tests.megatron.test_pretrain_example import COMMON, LOG_LINE
+from tests.megatron.utils import assert_first_step_grads_match, record_first_step_grads
+from tests.multiproc import run_ranks
+
+LAYERS_4 = ["--num-layers", "4", "--global-batch-size", "4"]  # after COMMON: these win
+INTERLEAVED = ["--num-layers-per-virtual-pipeline-stage", "1"]  # 2 model chunks per pipeline rank
+STARTRAIL = ["--context-parallel-size", "4", "--context-parallel-algo", "startrail", "--startrail-team-size", "2"]
+FULL_UNIFORM = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+FULL_BLOCK = ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"]
+SELECTIVE = ["--recompute-granularity", "selective", "--recompute-modules", "core_attn"]
+
+
+def _count_training_p2p_bytes():
+    """Patch this forked rank: StarTrail's P2P bytes sent outside Megatron's evaluate(), and
+    every KeptAttention made (to read what stays kept)."""
+    from megatron.training import training  # noqa: PLC0415
+
+    from megatron_startrail import comm  # noqa: PLC0415
+    from megatron_startrail.megatron import kept_attention  # noqa: PLC0415
+
+    state = {"bytes": 0, "evaluating": False, "kept": [], "kept_in_eval": 0}
+    post, evaluate, init = comm.Communicator.post, training.evaluate, kept_attention.KeptAttention.__init__
+
+    def counting_post(self, sends, recvs, **kwargs):
+        if not state["evaluating"]:
+            state["bytes"] += sum(t.numel() * t.element_size() for t, _ in sends)
+        return post(self, sends, recvs, **kwargs)
+
+    def flagged_evaluate(*args, **kwargs):
+        state["evaluating"] = True
+        try:
+            return evaluate(*args, **kwargs)
+        finally:
+            state["kept_in_eval"] = max(state["kept_in_eval"], sum(len(k) for k in state["kept"]))
+            state["evaluating"] = False
+
+    def registering_init(self):
+        init(self)
+        state["kept"].append(self)
+
+    comm.Communicator.post, training.evaluate = counting_post, flagged_evaluate
+    kept_attention.KeptAttention.__init__ = registering_init
+    return state
+
+
+def recompute_worker(rank, world_size, argv):
+    state = _count_training_p2p_bytes()
+    recorded = record_first_step_grads()
+    log = run_example_rank(rank, world_size, argv)
+    losses = [float(m[3]) for m in LOG_LINE.finditer(log)]
+    left_kept = sum(len(k) for k in state["kept"])
+    return losses, state["bytes"], left_kept, state["kept_in_eval"], recorded.get("grads") if rank == 0 else None
+
+
+def run(world_size, *flags):
+    """(losses, P2P bytes of all ranks, graphs left kept, kept during evaluation, rank 0's first-step grads)."""
+    results = run_ranks(recompute_worker, world_size, args=([*COMMON, *LAYERS_4, "--pipeline-model-parallel-size",
+                                                              "2", *flags],), timeout=300)
+    losses = results[-1][0]  # megatron.training logs on the last rank
+    assert len(losses) == 4 and all(math.isfinite(x) for x in losses), losses
+    return (losses, sum(r[1] for r in results), sum(r[2] for r in results), max(r[3] for r in results),
+            results[0][4])
+
+
+def assert_same_run(got, want, what):
+    for g, w in zip(got[0], want[0]):
+        assert abs(g - w) <= 1e-5 * abs(w), (what, got[0], want[0])
+    assert_first_step_grads_match(got[4], want[4], what)
+
+
+@pytest.fixture(scope="module")
+def plain_runs():
+    """PP2 x CP4 without recomputation (the bytes every run must post), and CP = 1."""
+    return run(8, *STARTRAIL), run(2, "--context-parallel-size", "1")
+
+
+def test_full_block_recomputation_posts_the_bytes_of_no_recomputation(plain_runs):
+    startrail, cp1 = plain_runs
+    assert_same_run(startrail, cp1, "PP2 CP4 C2, no recomputation")
+    block = run(8, *STARTRAIL, *FULL_BLOCK)
+    assert block[1] == startrail[1] > 0, (block[1], startrail[1])
+    assert block[2] == 0  # every kept graph was taken by its recomputation
+    assert_same_run(block, cp1, "PP2 CP4 C2, full block recomputation")
+
+
+def test_recomputing_the_attention_instead_posts_one_and_a_half_times(plain_runs):
+    startrail, _ = plain_runs
+    recomputed = run(8, *STARTRAIL, *FULL_UNIFORM, "--startrail-recompute-attention")
+    # forward 1 + recomputed forward 1 + backward 1 (its sub-ring and reverse send: the
+    # forward's bytes again here) = 3 shares where the kept run posts 2
+    assert recomputed[1] * 2 == startrail[1] * 3, (recomputed[1], startrail[1])
+    assert_same_run(recomputed, startrail, "PP2 CP4 C2, attention recomputed")
+
+
+def test_interleaved_stages_with_full_and_selective_recomputation_and_evaluation(plain_runs):
+    startrail, _ = plain_runs
+    evaluation = ["--eval-interval", "2", "--eval-iters", "1"]
+    cp1 = run(2, "--context-parallel-size", "1", *INTERLEAVED, *FULL_UNIFORM)
+    for recompute in (FULL_UNIFORM, SELECTIVE):
+        got = run(8, *STARTRAIL, *INTERLEAVED, *recompute, *evaluation)
+        # Interleaving runs the same layers on the same micro-batches: the same bytes.
+        assert got[1] == startrail[1], (recompute, got[1], startrail[1])
+        assert got[2] == 0 and got[3] == 0, (recompute, "graphs kept after the run / in evaluation", got[2:4])
+        assert_same_run(got, cp1, f"interleaved PP2 CP4 C2, {' '.join(recompute)}")
