@@ -77,11 +77,18 @@ def _reached(docs: Documents, bounds, receiver: int, owner: int) -> tuple[tuple[
 MAX_HALO_SHARE = 0.25
 
 
-@functools.lru_cache(maxsize=256)
 def halo_plan(docs: Documents, window: tuple[int, int], causal: bool, rank: int) -> HaloPlan | None:
     """The halo exchange of CP rank ``rank``, or None when some rank's window reaches more than
     :data:`MAX_HALO_SHARE` of the sequence (the same answer on every rank). A window no
     longer than a chunk reaches only the two CP neighbours."""
+    # Cached by the documents' fields, not the object: a micro-batch's Documents carries its
+    # device metadata (microbatch.py), which a cache key would keep alive past the micro-batch.
+    return _halo_plan(docs.cp_size, docs.cu_seqlens, docs.cu_seqlens_padded, window, causal, rank)
+
+
+@functools.lru_cache(maxsize=256)
+def _halo_plan(cp_size, cu_seqlens, cu_seqlens_padded, window, causal, rank) -> HaloPlan | None:
+    docs = Documents(cp_size, cu_seqlens, cu_seqlens_padded)  # a plain copy, no device metadata
     bounds = normalize_window(window, causal)
     cp = docs.cp_size
     if bounds is None or cp == 1:

@@ -168,3 +168,20 @@ def test_blocks_outside_the_window_make_no_kernel_call():
     assert calls[0].q_rows == ((0, 32),)  # queries 1032.. see none of these keys: no rows for them
     coverage = plan_coverage(q, ((0, 936, 1000),), True, (32, 0))
     assert int(coverage.sum()) == sum(32 - i for i in range(32))  # query 1000 + i sees keys 1000 + i - 32 .. 999
+
+
+def test_the_halo_plan_cache_does_not_keep_a_micro_batch_alive():
+    # A micro-batch's Documents carries its kernel calls' device metadata (microbatch.py):
+    # the plan is cached by the documents' fields, so the object goes with its micro-batch.
+    import gc
+    import weakref
+
+    from megatron_startrail.halo import halo_plan
+    from megatron_startrail.layout import Documents
+
+    docs = Documents(4, (0, 10, 64), None)
+    gone = weakref.ref(docs)
+    assert halo_plan(docs, (3, 0), True, 1) is not None
+    del docs
+    gc.collect()
+    assert gone() is None
