@@ -311,9 +311,28 @@ def _planner_inputs(args, heads: int, kv_heads: int) -> dict:
         v_head_dim=v_dim,
         micro_batch_size=args.micro_batch_size,
         dtype_bytes=dtype_bytes,
-        layers=max(1, args.num_layers // getattr(args, "pipeline_model_parallel_size", 1)),
+        layers=_layers_keeping_attention(args),
         memory_limit_bytes=None if limit is None else int(limit * 1e9),
     )
+
+
+def _layers_keeping_attention(args) -> int:
+    """The attention layers of a pipeline stage that keep their tensors for the backward. Under
+    Megatron's recomputation they all do (StarTrail keeps the attention through it, Note
+    [attention kept through recomputation]), unless --startrail-recompute-attention: then the
+    recomputed layers keep nothing between the passes (block: the first --recompute-num-layers
+    of the stage; uniform and selective core_attn: every layer), and the peak is the others'
+    plus one layer's while it is recomputed and back-propagated."""
+    layers = max(1, args.num_layers // getattr(args, "pipeline_model_parallel_size", 1))
+    if not getattr(args, "startrail_recompute_attention", False):
+        return layers
+    granularity = getattr(args, "recompute_granularity", None)
+    if granularity == "full" and getattr(args, "recompute_method", None) == "block":
+        return max(1, layers - (getattr(args, "recompute_num_layers", None) or 0))
+    if granularity == "full" or (granularity == "selective"
+                                 and "core_attn" in (getattr(args, "recompute_modules", None) or ["core_attn"])):
+        return 1
+    return layers
 
 
 def _window_inputs(args) -> dict:

@@ -120,3 +120,58 @@ def test_interleaved_stages_with_full_and_selective_recomputation_and_evaluation
         assert got[1] == startrail[1], (recompute, got[1], startrail[1])
         assert got[2] == 0 and got[3] == 0, (recompute, "graphs kept after the run / in evaluation", got[2:4])
         assert_same_run(got, cp1, f"interleaved PP2 CP4 C2, {' '.join(recompute)}")
+
+
+def kept_bytes_worker(rank, world_size):
+    """What one layer keeps through recomputation, measured as the storages its first pass
+    saves for the backward, for the settings that keep different tensors."""
+    import torch  # noqa: PLC0415
+
+    from benchmarks.memory import saved_bytes  # noqa: PLC0415
+    from megatron_startrail import new_startrail_groups, startrail_attn  # noqa: PLC0415
+    from megatron_startrail.accounting import AttentionShape, kept_for_backward_bytes  # noqa: PLC0415
+    from megatron_startrail.megatron import kept_attention  # noqa: PLC0415
+
+    kept_attention.is_checkpointing = lambda: True  # inside Megatron's checkpoint (this forked rank only)
+    n, heads, dim = 64, 4, 16
+    q, k, v = (torch.randn(n, 1, heads, dim, generator=torch.Generator().manual_seed(rank + i)) for i in range(3))
+    rows = []
+    for team, regather, rotation in ((1, False, "kv"), (2, False, "kv"), (2, False, "q"), (2, True, "q")):
+        groups = new_startrail_groups(team_size=team, backward_rotation=rotation, regather_in_backward=regather)
+        for recompute in (False, True):
+            kept = kept_attention.KeptAttention()
+            with torch.no_grad():  # the checkpoint's first pass
+                _, measured = saved_bytes(lambda: kept.run(lambda *t: startrail_attn(*t, groups), q, k, v,  # noqa: B023
+                                                           training=True, enabled=not recompute))  # noqa: B023
+            model = 0 if recompute else kept_for_backward_bytes(
+                AttentionShape(n, 1, heads, heads, dim, 4), ulysses_size=1, team_size=team,
+                regather_in_backward=regather, rotation=rotation)
+            rows.append(((team, regather, rotation, recompute), measured, model, len(kept)))
+    return rows
+
+
+def test_what_a_layer_keeps_through_recomputation_is_the_memory_models_kept_bytes():
+    for rows in run_ranks(kept_bytes_worker, 4):
+        for setting, measured, model, kept in rows:
+            assert measured == model, (setting, measured, model)
+            assert kept == (0 if setting[-1] else 1), setting
+
+
+@pytest.mark.parametrize("granularity, method, recompute_layers, modules, recompute, keeping", [
+    (None, None, None, None, False, 8),
+    ("full", "uniform", 1, None, False, 8),  # kept through recomputation (the default)
+    ("full", "uniform", 1, None, True, 1),  # all recomputed: one layer's at a time
+    ("full", "block", 3, None, True, 5),  # the first 3 of the stage recomputed
+    ("selective", None, None, None, True, 1),  # Megatron's default modules: core_attn
+    ("selective", None, None, ["mlp"], True, 8),
+])
+def test_the_planner_counts_the_layers_that_keep_their_attention(granularity, method, recompute_layers, modules,
+                                                                 recompute, keeping):
+    import argparse  # noqa: PLC0415
+
+    from megatron_startrail.megatron.arguments import _layers_keeping_attention  # noqa: PLC0415
+
+    args = argparse.Namespace(num_layers=16, pipeline_model_parallel_size=2, recompute_granularity=granularity,
+                              recompute_method=method, recompute_num_layers=recompute_layers,
+                              recompute_modules=modules, startrail_recompute_attention=recompute)
+    assert _layers_keeping_attention(args) == keeping
