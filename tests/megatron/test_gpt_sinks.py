@@ -12,19 +12,22 @@ that the sink's gradient is not zero, so that a model that dropped the sink woul
 Why these windows: SEQ = 64 tokens at CP4 are chunks of 8; a window of 6 reaches only the
 neighbours' chunks (the halo exchange, megatron_startrail/halo.py), one of 32 reaches past
 them (the StarTrail schedule with masked blocks). The test records which path each windowed
-layer took. Why 8 heads and 2 query groups at TP2: Megatron splits the query groups by TP,
-so GQA 8:1 needs TP1 (the CP16 C4 world, 16 ranks).
+layer took. GQA 8:1 (gpt-oss's): at TP2 16 heads and 2 query groups (Megatron splits the
+groups by TP), at TP1 (the CP16 C4 world, 16 ranks) 8 heads and 1 group.
 
 ``python -m tests.megatron.test_gpt_sinks`` prints the table of docs/sliding-windows.md.
 """
 
 import os
+import re
+import sys
 
 import pytest
 import torch
 
+from tests.megatron.example import ROOT, pretrain_gpt
 from tests.megatron.utils import (
-    HEADS, HIDDEN, LAYERS, SEQ, VOCAB, GPTModel, TransformerConfig, Utils, get_gpt_layer_local_spec,
+    HEADS, HIDDEN, LAYERS, SEQ, VOCAB, GPTModel, TransformerConfig, Utils, cpu_patches, get_gpt_layer_local_spec,
     parallel_state, relative_grad_errors, sample_batch, to_startrail_spec, train_steps, worst_grad_error,
 )
 from megatron_startrail import attention as startrail_attention
@@ -35,25 +38,27 @@ STEPS, LR = 6, 1e-2  # the issue asks for 6 iterations; the later losses follow 
 GRAD_TOL, LOSS_TOL = 1e-5, 1e-5
 SKIP = 2  # --window-attn-skip-freq 2: layer 1 windowed, layer 2 global
 HALO_W, SCHEDULE_W = 6, 32
-# (name, --softmax-type, window left size, query groups)
+# (name, --softmax-type, window left size, (heads, query groups)); at TP2 gpt-oss's GQA 8:1 is
+# 16 heads and 2 groups (8 heads and 1 group per TP partition), at TP1 8 heads and 1 group
 TP2_CASES = [
-    ("learnable_w6_halo_gqa4", "learnable", HALO_W, 2),
-    ("learnable_w32_schedule_gqa4", "learnable", SCHEDULE_W, 2),
-    ("offbyone_w6_halo_gqa4", "off-by-one", HALO_W, 2),
+    ("learnable_w6_halo_gqa8", "learnable", HALO_W, (16, 2)),
+    ("learnable_w32_schedule_gqa8", "learnable", SCHEDULE_W, (16, 2)),
+    ("offbyone_w6_halo_gqa4", "off-by-one", HALO_W, (HEADS, 2)),
 ]
-CP16_CASES = [("learnable_w6_gqa8", "learnable", HALO_W, 1),  # TP1: 8 heads, 1 group
-              ("learnable_w32_gqa8", "learnable", SCHEDULE_W, 1)]
+CP16_CASES = [("learnable_w6_gqa8", "learnable", HALO_W, (HEADS, 1)),
+              ("learnable_w32_gqa8", "learnable", SCHEDULE_W, (HEADS, 1))]
 # (name, world, tp, cp, team size, cases)
 LAYOUTS = [("TP2xCP4_C2", 8, 2, 4, 2, TP2_CASES), ("CP16_C4", 16, 1, 16, 4, CP16_CASES)]
 
 
-def sink_gpt(tp, cp, groups, softmax_type, window, query_groups, seed=1234):
+def sink_gpt(tp, cp, groups, softmax_type, window, heads, seed=1234):
     """tests.megatron.utils.tiny_gpt's 2-layer GPT with ``softmax_type`` (Megatron's
-    --softmax-type) and a window of ``window`` tokens on every other layer."""
+    --softmax-type), a window of ``window`` tokens on every other layer and ``heads``:
+    (attention heads, query groups)."""
     torch.manual_seed(seed)
     config = TransformerConfig(
         softmax_type=softmax_type, window_size=(window, 0), window_attn_skip_freq=SKIP,
-        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=query_groups,
+        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=heads[0], num_query_groups=heads[1],
         use_cpu_initialization=True, tensor_model_parallel_size=tp, context_parallel_size=cp,
         hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False, pipeline_dtype=torch.float32,
         calculate_per_token_loss=True,  # the schedule then leaves the summed loss unscaled
@@ -96,8 +101,8 @@ def worker(rank, world_size, tp, cp, team, cases):
     groups = initialize_startrail(team) if cp > 1 else None  # collective and slow: once per world
     paths = record_paths()
     results = {}
-    for name, softmax_type, window, query_groups in cases:
-        model = sink_gpt(tp, cp, groups, softmax_type, window, query_groups)
+    for name, softmax_type, window, heads in cases:
+        model = sink_gpt(tp, cp, groups, softmax_type, window, heads)
         weights = {n: p.detach().clone() for n, p in model.named_parameters()}
         sinks = sinks_of(model)
         del paths[:]
@@ -170,8 +175,8 @@ def measured():
 # A window of 6 at CP4 (chunks of 8) reaches the neighbours' chunks: the halo; at CP16 (chunks
 # of 2) three ranks back, 12 rows per rank, still under halo.MAX_HALO_SHARE of 64 tokens: the
 # halo too. 32 would receive 32 + 32 rows > 16 at CP4 and more at CP16: the schedule.
-EXPECTED_PATH = {("TP2xCP4_C2", "learnable_w6_halo_gqa4"): "halo",
-                 ("TP2xCP4_C2", "learnable_w32_schedule_gqa4"): "schedule",
+EXPECTED_PATH = {("TP2xCP4_C2", "learnable_w6_halo_gqa8"): "halo",
+                 ("TP2xCP4_C2", "learnable_w32_schedule_gqa8"): "schedule",
                  ("TP2xCP4_C2", "offbyone_w6_halo_gqa4"): "halo", ("CP16_C4", "learnable_w6_gqa8"): "halo",
                  ("CP16_C4", "learnable_w32_gqa8"): "schedule"}
 CASE_IDS = [(layout[0], c[0]) for layout in LAYOUTS for c in layout[5]]
@@ -198,3 +203,37 @@ if __name__ == "__main__":  # the table of docs/sliding-windows.md, in the suite
     for (layout, name), row in measure().items():
         print(f"| {layout} | {name} | {'+'.join(row['paths'])} | {row['loss']:.1e} | {row['grad']:.1e} | "
               f"`{row['param']}` | {row['offset']:.1e} | {row['sink_effect']:.1e} |")
+
+
+def docs_command() -> list[str]:
+    """The arguments of the gpt-oss-like command of docs/sliding-windows.md (after the script)."""
+    with open(os.path.join(ROOT, "docs/sliding-windows.md"), encoding="utf-8") as f:
+        section = f.read().split("## A gpt-oss-like configuration", 1)[1]
+    words = re.search(r"```bash\n(.*?)```", section, re.S).group(1).replace("\\\n", " ").split()
+    assert words[:3] == ["torchrun", "--nproc-per-node", "8"], words
+    return words[words.index("examples/pretrain_gpt.py") + 1:]
+
+
+def parse_worker(rank, world_size, argv, ranks):
+    """Rank 0 of the command's ``ranks``: Megatron's parse_args and validate_args,
+    validate_startrail_args and the example's own checks (forked: cpu_patches stay here)."""
+    os.environ.update(WORLD_SIZE=str(ranks), RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE=str(ranks))
+    cpu_patches.apply()  # Megatron's validation asks for the device's architecture
+    sys.argv = ["pretrain_gpt.py", *argv]
+    args = pretrain_gpt.parse_arguments()
+    return {name: getattr(args, name) for name in (
+        "softmax_type", "window_size", "window_attn_skip_freq", "num_attention_heads", "group_query_attention",
+        "num_query_groups", "tensor_model_parallel_size", "context_parallel_size", "context_parallel_algo",
+        "startrail_team_size", "world_size")}
+
+
+def test_the_gpt_oss_command_of_the_docs_is_accepted():
+    """Issue 37 item 4: learnable sinks, a window of 128 on every other layer, GQA 8:1 per TP
+    partition, StarTrail C = 2, one data-parallel replica on the 8 ranks torchrun starts."""
+    (got,) = run_ranks(parse_worker, 1, args=(docs_command(), 8), timeout=120)
+    tp = got["tensor_model_parallel_size"]
+    assert (got["softmax_type"], got["window_size"], got["window_attn_skip_freq"]) == ("learnable", (128, 0), 2), got
+    assert got["group_query_attention"] and got["num_attention_heads"] // got["num_query_groups"] == 8, got
+    assert got["num_query_groups"] % tp == 0, got  # Megatron splits the query groups by TP
+    assert (got["context_parallel_algo"], got["startrail_team_size"]) == ("startrail", 2), got
+    assert tp * got["context_parallel_size"] == got["world_size"] == 8, got
