@@ -35,11 +35,18 @@ first pass: there the attention is recomputed, communication included, as before
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections import deque
 from typing import Callable
 
 import torch
 from megatron.core.tensor_parallel.random import is_checkpointing
+
+
+@functools.cache
+def _say_once(message: str) -> None:
+    warnings.warn(message, stacklevel=3)
 
 
 class _KeptOutput(torch.autograd.Function):
@@ -93,6 +100,9 @@ class KeptAttention:
             self._kept.append((out, leaves))
             return out.detach()
         if not self._kept:  # a recompute without a kept first pass (e.g. Transformer Engine's checkpoint)
+            _say_once("StarTrail: the attention is recomputed with its communication: its first pass was not "
+                      "under Megatron's checkpoint (Transformer Engine's checkpoint, taken under FP8/FP4, does not "
+                      "mark it); see docs/memory.md, 'Recomputation'")
             return attend(q, k, v)
         out, leaves = self._kept.popleft()
         if leaves[0].shape != q.shape:

@@ -175,3 +175,16 @@ def test_the_planner_counts_the_layers_that_keep_their_attention(granularity, me
                               recompute_method=method, recompute_num_layers=recompute_layers,
                               recompute_modules=modules, startrail_recompute_attention=recompute)
     assert _layers_keeping_attention(args) == keeping
+
+
+def test_a_recomputation_without_a_kept_first_pass_recomputes_and_says_so(monkeypatch):
+    import torch  # noqa: PLC0415
+
+    from megatron_startrail.megatron import kept_attention  # noqa: PLC0415
+
+    monkeypatch.setattr(kept_attention, "is_checkpointing", lambda: True)
+    calls = []
+    q = torch.randn(4, 1, 2, 8, requires_grad=True)
+    with pytest.warns(UserWarning, match="recomputed with its communication"):
+        out = kept_attention.KeptAttention().run(lambda *t: calls.append(t) or t[0] * 2, q, q, q, training=True)
+    assert len(calls) == 1 and torch.equal(out, q * 2)
