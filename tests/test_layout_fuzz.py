@@ -153,8 +153,9 @@ def run_setting(groups, rank, s: Setting, layout: str, dtype, seed: int, sink: s
     return errors
 
 
-def fuzz_worker(rank, world_size):
-    """Every setting on every layout in float64, and on Megatron's fused layout in float32."""
+def check_settings(rank, runs, seed: int) -> tuple[list[str], int]:
+    """Every setting of :data:`SETTINGS` on each ``(layout, dtype, sink)`` of ``runs``, with
+    poisoned uninitialised memory; returns the failures and how many runs were checked."""
     torch.use_deterministic_algorithms(True)
     torch.utils.deterministic.fill_uninitialized_memory = True  # poison: unwritten rows show up as NaN
     groups, failures, checked = {}, [], 0
@@ -162,14 +163,19 @@ def fuzz_worker(rank, world_size):
         key = (s.team, s.ulysses, s.rotation)
         if key not in groups:  # collective: every rank builds the same sets in the same order
             groups[key] = new_startrail_groups(team_size=s.team, ulysses_size=s.ulysses, backward_rotation=s.rotation)
-        runs = [(layout, torch.float64) for layout in LAYOUTS] + [("fused", torch.float32)]
-        for layout, dtype in runs:
-            errors = run_setting(groups[key], rank, s, layout, dtype, seed=500 + index)
+        for layout, dtype, sink in runs:
+            errors = run_setting(groups[key], rank, s, layout, dtype, seed=seed + index, sink=sink)
             checked += 1
             for name, err in errors.items():
                 if not err <= TOL[dtype]:  # NaN fails too
-                    failures.append(f"{s.name} / {layout} / {dtype}: {name} error {err:.3g}")
+                    failures.append(f"{s.name} / {layout} / {dtype} / sink {sink}: {name} error {err:.3g}")
     return failures, checked
+
+
+def fuzz_worker(rank, world_size):
+    """Every setting on every layout in float64, and on Megatron's fused layout in float32."""
+    runs = [(layout, torch.float64, None) for layout in LAYOUTS] + [("fused", torch.float32, None)]
+    return check_settings(rank, runs, seed=500)
 
 
 def test_every_setting_is_exact_on_the_layouts_megatron_hands_it():

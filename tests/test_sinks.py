@@ -13,26 +13,13 @@ import torch
 
 from megatron_startrail import new_startrail_groups, startrail_attn
 from tests.multiproc import run_ranks
-from tests.test_layout_fuzz import SETTINGS, TOL, WORLD, run_setting
+from tests.test_layout_fuzz import SETTINGS, WORLD, check_settings
 
 RUNS = [("learnable", torch.float64), ("off-by-one", torch.float64), ("learnable", torch.float32)]
 
 
 def sinks_worker(rank, world_size):
-    torch.use_deterministic_algorithms(True)
-    torch.utils.deterministic.fill_uninitialized_memory = True
-    groups, failures, checked = {}, [], 0
-    for index, s in enumerate(SETTINGS):
-        key = (s.team, s.ulysses, s.rotation)
-        if key not in groups:
-            groups[key] = new_startrail_groups(team_size=s.team, ulysses_size=s.ulysses, backward_rotation=s.rotation)
-        for sink, dtype in RUNS:
-            errors = run_setting(groups[key], rank, s, "fused", dtype, seed=900 + index, sink=sink)
-            checked += 1
-            for name, err in errors.items():
-                if not err <= TOL[dtype]:
-                    failures.append(f"{s.name} / {sink} / {dtype}: {name} error {err:.3g}")
-    return failures, checked
+    return check_settings(rank, [("fused", dtype, sink) for sink, dtype in RUNS], seed=900)
 
 
 def test_sinks_are_exact_on_every_setting():
