@@ -9,19 +9,8 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV016:-/tmp/venv016}"
-PYTHON="${PYTHON:-python3.11}"
-command -v "$PYTHON" >/dev/null 2>&1 || PYTHON=python3
-STAMP="$VENV/.startrail-megatron016-v1"
-if [ ! -f "$STAMP" ]; then
-  echo "[check_megatron_016] creating $VENV with $($PYTHON --version 2>&1)"
-  "$PYTHON" -m venv "$VENV"
-  "$VENV/bin/pip" install -q --upgrade pip
-  "$VENV/bin/pip" install -q "torch==2.13.0"
-  "$VENV/bin/pip" install -q --no-deps --ignore-requires-python "megatron-core==0.16.1"
-  "$VENV/bin/pip" install -q numpy "packaging>=24.2" einops typing_extensions pytest pytest-timeout psutil
-  "$VENV/bin/pip" install -q --no-deps -e "$ROOT"
-  touch "$STAMP"
-fi
+# The project's own environment script, pointed at another venv and megatron-core.
+STARTRAIL_VENV="$VENV" STARTRAIL_MEGATRON_CORE=0.16.1 source "$ROOT/scripts/env.sh"
 "$VENV/bin/python" -c "import megatron.core.package_info as p; assert p.__version__.startswith('0.16.'), p.__version__"
 cd "$ROOT"
 exec "$VENV/bin/python" -m pytest -q -p no:warnings \

@@ -12,16 +12,19 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${STARTRAIL_VENV:-$ROOT/.venv}"
+# Another megatron-core for a venv of its own (scripts/check_megatron_016.sh: 0.16.1).
+MCORE="${STARTRAIL_MEGATRON_CORE:-0.19.2}"
 PYTHON="${PYTHON:-python3.11}"
 command -v "$PYTHON" >/dev/null 2>&1 || PYTHON=python3
 STAMP="$VENV/.startrail-env-v1"
+[ "$MCORE" = "0.19.2" ] || STAMP="$VENV/.startrail-env-v1-mcore-$MCORE"
 
 if [ ! -f "$STAMP" ]; then
   echo "[env] creating $VENV with $($PYTHON --version 2>&1)"
   "$PYTHON" -m venv "$VENV"
   "$VENV/bin/pip" install -q --upgrade pip
   "$VENV/bin/pip" install -q "torch==2.13.0"
-  "$VENV/bin/pip" install -q --no-deps --ignore-requires-python "megatron-core==0.19.2"
+  "$VENV/bin/pip" install -q --no-deps --ignore-requires-python "megatron-core==$MCORE"
   "$VENV/bin/pip" install -q numpy "packaging>=24.2" einops typing_extensions \
       pytest pytest-timeout matplotlib psutil
   "$VENV/bin/pip" install -q --no-deps -e "$ROOT"
