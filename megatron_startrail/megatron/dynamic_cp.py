@@ -12,7 +12,9 @@ rank list) and tells the core attention per call which one runs this sub-sample
 :func:`initialize_dynamic_startrail` builds StarTrail groups on every one of those groups,
 eagerly and collectively (every rank, ascending size: what NCCL needs), each with its
 own team size (:func:`team_size_for`); :class:`DynamicCPGroups` holds them, and the core
-attention picks the set of this call's size (:meth:`DynamicCPGroups.for_call`).
+attention picks the set of this call's size (:meth:`DynamicCPGroups.for_call`). It also
+installs :class:`.AlignedCPScheduler` (megatron/aligned_schedule.py), so that Megatron's
+scheduler places every sub-sample on one of those groups.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from ..groups import StarTrailGroups, new_startrail_groups
 from ..microbatch import MicroBatchCache
 from ..topology import team_size_for
 from ..transport import group_backend
+from .aligned_schedule import install_aligned_scheduler, is_aligned, placements
 
 
 def dynamic_cp_sizes(dp_cp_size: int) -> list[int]:
@@ -115,6 +118,7 @@ def initialize_dynamic_startrail(config: StarTrailConfig, *, order: str, team_si
                                       timeout=timeout, create_group=create_group, cp_group=cp_group)
         groups.documents_cache = result.documents_cache
         result.by_size[k] = groups
+    install_dynamic_cp_schedule({k: g.team_size for k, g in result.by_size.items()})
     return result
 
 
@@ -122,34 +126,42 @@ def schedule_sizes(sample_id_groups: list[list[list[int]]]) -> dict[int, int]:
     """``{CP size: sub-samples}`` of one global batch's schedule (``BalancedCPScheduler``:
     ``sample_id_groups[phase][dp_cp_rank]`` lists the sub-samples that rank runs in that
     phase), after checking that every sub-sample's ranks are one of Megatron's aligned
-    groups. The scheduler can place a CP-4 sub-sample on ranks 2..5 (megatron-core 0.19.2,
-    ``fill_empty_gpus``); Megatron would then hand ranks 2, 3 the group 0..3 and ranks 4, 5
-    the group 4..7, and the attention's collectives would never complete. Every rank
-    computes the same schedule, so every rank raises here instead."""
+    groups. megatron-core 0.19.2's own fill can place a CP-4 sub-sample on ranks 2..5;
+    Megatron would then hand ranks 2, 3 the group 0..3 and ranks 4, 5 the group 4..7, and
+    the attention's collectives would never complete. :class:`.AlignedCPScheduler` (installed
+    with the groups) never does; should another scheduler, every rank computes the same
+    schedule, so every rank raises here, before the attention runs."""
     sizes: dict[int, int] = {}
-    for phase, per_rank in enumerate(sample_id_groups):
-        holders: dict[int, list[int]] = {}
-        for rank, ids in enumerate(per_rank):
-            for sample in ids:
-                holders.setdefault(sample, []).append(rank)
-        for sample, ranks in holders.items():
-            k = len(ranks)
-            if k & (k - 1) or ranks != list(range(ranks[0], ranks[0] + k)) or ranks[0] % k:
-                raise RuntimeError(
-                    f"hybrid CP schedule, phase {phase}: sub-sample {sample} is on data x context parallel ranks "
-                    f"{ranks}, not one of Megatron's aligned groups of {k} (a megatron-core 0.19.2 scheduler "
-                    "placement its groups cannot run); change --max-seqlen-per-dp-cp-rank or the global batch"
-                )
-            sizes[k] = sizes.get(k, 0) + 1
+    for phase, sample, ranks in placements(sample_id_groups):
+        k = len(ranks)
+        if not is_aligned(ranks):
+            raise RuntimeError(
+                f"hybrid CP schedule, phase {phase}: sub-sample {sample} is on data x context parallel ranks "
+                f"{ranks}, not one of Megatron's aligned groups of {k} (a placement its groups cannot run: is "
+                "megatron.core.datasets.data_schedule.BalancedCPScheduler StarTrail's AlignedCPScheduler?)"
+            )
+        sizes[k] = sizes.get(k, 0) + 1
     return dict(sorted(sizes.items()))
 
 
-def log_dynamic_cp_schedule(team_sizes: dict[int, int]) -> None:
-    """Check every global batch's hybrid CP schedule (:func:`schedule_sizes`) and print, on
-    global rank 0 once per iteration, how many sub-samples run at each CP size and the
-    team size each uses: wraps ``megatron.training``'s ``HybridCPDataLoaderWrapper``
-    (idempotent)."""
-    from megatron.training import training  # noqa: PLC0415
+_logged_team_sizes: dict[int, int] = {}  # what the schedule log prints: the last groups built
+
+
+def install_dynamic_cp_schedule(team_sizes: dict[int, int]) -> None:
+    """Make every hybrid CP schedule runnable on the groups built (Megatron's data wrapper
+    schedules with :class:`.AlignedCPScheduler`), check each global batch's schedule
+    (:func:`schedule_sizes`) and print, on global rank 0 once per iteration, how many
+    sub-samples run at each CP size and the team size each uses: wraps
+    ``megatron.training``'s ``HybridCPDataLoaderWrapper`` (idempotent). Called by
+    :func:`initialize_dynamic_startrail`, so the example and a patched ``pretrain_gpt.py``
+    get it from the layer spec, before ``pretrain`` wraps the training data."""
+    install_aligned_scheduler()
+    _logged_team_sizes.clear()
+    _logged_team_sizes.update(team_sizes)
+    try:
+        from megatron.training import training  # noqa: PLC0415
+    except ImportError:  # megatron-core without megatron.training: the scheduler is enough
+        return
 
     wrapper = training.HybridCPDataLoaderWrapper
     if getattr(wrapper, "_startrail_checked", False):
@@ -163,8 +175,14 @@ def log_dynamic_cp_schedule(team_sizes: dict[int, int]) -> None:
             if sample_id_groups is not None:  # tensor-parallel rank 0 (the others receive by broadcast)
                 sizes = schedule_sizes(sample_id_groups)
                 if dist.get_rank() == 0:
-                    print(" dynamic CP: " + " | ".join(f"CP {k}: {n} sub-samples, team size {team_sizes.get(k, 1)}"
-                                                        for k, n in sizes.items()), flush=True)
+                    print(" dynamic CP: " + " | ".join(
+                        f"CP {k}: {n} sub-samples, team size {_logged_team_sizes.get(k, 1)}"
+                        for k, n in sizes.items()), flush=True)
             return samples, sample_id_groups
 
     training.HybridCPDataLoaderWrapper = CheckedHybridCPDataLoader
+
+
+# The example's name for it (it installs before the groups are built; a second call only
+# refreshes the team sizes logged).
+log_dynamic_cp_schedule = install_dynamic_cp_schedule

@@ -3,10 +3,11 @@
 End to end: examples/pretrain_gpt.py with --hybrid-context-parallel, Megatron's own hybrid
 sampler, data wrapper, BalancedCPScheduler and schedule, on samples of 128 tokens packed
 with documents of 1 to 119 tokens, with --max-seqlen-per-dp-cp-rank 16, so that a global batch runs sub-samples at CP
-sizes 1, 2, 4 and 8, each on StarTrail groups of its size. (Seed 3: with the seed 1234 of the
-other example tests, megatron-core 0.19.2's scheduler places a CP-4 sub-sample of the fourth
-global batch on ranks 2..5, which no group of Megatron's can run; dynamic_cp.schedule_sizes
-stops such a run with that message, test below.) It logs the per-token losses of
+sizes 1, 2, 4 and 8, each on StarTrail groups of its size. Seed 1234, that of the other
+example tests: megatron-core 0.19.2's own fill places a CP-4 sub-sample of the fourth global
+batch on ranks 2..5, which no group of Megatron's can run; the groups install StarTrail's
+aligned fill (megatron/aligned_schedule.py), so that batch trains (and
+dynamic_cp.schedule_sizes would stop a misplaced one with that message, test below). It logs the per-token losses of
 the same command at CP 1 (one rank, Megatron's dense per-document mask), and the first
 step's gradients are those of CP 1 too. Also: the groups and team sizes per size, the
 schedule check, the flags' refusals (Megatron's own among them).
@@ -35,7 +36,7 @@ from megatron_startrail.topology import team_size_for  # noqa: E402
 
 COMMON = ["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "8", "--seq-length", "128",
           "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "4", "--lr", "3e-3",
-          "--lr-warmup-iters", "1", "--seed", "3", "--log-interval", "1", "--calculate-per-token-loss"]
+          "--lr-warmup-iters", "1", "--seed", "1234", "--log-interval", "1", "--calculate-per-token-loss"]
 DYNAMIC = ["--context-parallel-algo", "startrail", "--dataloader-inter-document-masking", "--hybrid-context-parallel",
            "--rerun-mode", "disabled", "--eval-iters", "0", "--max-seqlen-per-dp-cp-rank", "16"]
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.* lm loss: ([0-9.E+-]+) \|")
@@ -92,12 +93,13 @@ def documents(tmp_path_factory):
     return ["--data-path", prefix, "--split", "100,0,0"]
 
 
-# TP2 x DP4: 4 data-parallel ranks, 32 tokens each, so that a 119-token document fits on CP 4.
-@pytest.mark.parametrize("tp, ranks, sizes", [(1, 8, {1, 2, 4, 8}), (2, 8, {1, 2, 4})], ids=["DP8", "TP2xDP4"])
-def test_dynamic_cp_with_startrail_gives_the_losses_and_gradients_of_cp1(documents, tp, ranks, sizes):
-    grid = ["--tensor-model-parallel-size", str(tp), "--max-seqlen-per-dp-cp-rank", str(16 * tp)]
+def run_against_cp1(documents, tp, ranks, team, extra=()):
+    """The example with dynamic CP and StarTrail, and at CP 1: the same per-token losses (4
+    iterations) and first-step gradients. Returns rank 0's log and each iteration's
+    schedule, ``{CP size: (sub-samples, team size)}``."""
+    grid = ["--tensor-model-parallel-size", str(tp), "--max-seqlen-per-dp-cp-rank", str(16 * tp), *extra]
     dynamic = run_ranks(example_with_grads, ranks, args=([*COMMON, *documents, *DYNAMIC, *grid,
-                                                          "--startrail-team-size", "2"],), timeout=400)
+                                                          "--startrail-team-size", team],), timeout=400)
     reference = run_ranks(example_with_grads, tp, args=([*COMMON, *documents, *grid, "--reset-attention-mask",
                                                          "--reset-position-ids"],), timeout=400)
     got, want = losses_of(dynamic[-1][0]), losses_of(reference[-1][0])
@@ -105,15 +107,41 @@ def test_dynamic_cp_with_startrail_gives_the_losses_and_gradients_of_cp1(documen
     for g, w in zip(got, want):
         assert abs(g - w) <= 1e-5 * abs(w), (got, want)
     # Every parameter's gradient of the first step, on global rank 0 (TP rank 0 in both runs).
-    grads, ref = dynamic[0][1], reference[0][1]
-    assert_first_step_grads_match(grads, ref, f"dynamic CP TP{tp}")  # per parameter, max-norm (issue 36)
+    assert_first_step_grads_match(dynamic[0][1], reference[0][1], f"dynamic CP TP{tp} C={team}")  # issue 36
     # Rank 0 logs each iteration's schedule: sub-samples per CP size and each size's team size.
     schedules = [dict((int(k), (int(n), int(c))) for k, n, c in SIZE.findall(line))
                  for line in SCHEDULE.findall(dynamic[0][0])]
     assert len(schedules) == 4, dynamic[0][0][-3000:]
+    return dynamic[0][0], schedules
+
+
+# TP2 x DP4: 4 data-parallel ranks, 32 tokens each, so that a 119-token document fits on CP 4.
+@pytest.mark.parametrize("tp, ranks, sizes", [(1, 8, {1, 2, 4, 8}), (2, 8, {1, 2, 4})], ids=["DP8", "TP2xDP4"])
+def test_dynamic_cp_with_startrail_gives_the_losses_and_gradients_of_cp1(documents, tp, ranks, sizes):
+    _, schedules = run_against_cp1(documents, tp, ranks, "2")
     seen = set().union(*schedules)
     assert seen == sizes, schedules
     assert all(c == team_size_for(k, 2) for s in schedules for k, (_, c) in s.items()), schedules
+
+
+def test_the_batch_megatrons_own_fill_misplaces_trains(documents):
+    # 256-token samples, seed 1234: megatron-core 0.19.2's fill puts sub-sample 31 of the fourth
+    # global batch on ranks 2..5 (measured with the aligned fill switched off: "phase 3:
+    # sub-sample 31 is on data x context parallel ranks [2, 3, 4, 5]"); it trains now.
+    _, schedules = run_against_cp1(documents, 1, 8, "2", extra=("--seq-length", "256"))
+    assert 4 in set().union(*schedules), schedules
+
+
+def test_auto_team_size_with_dynamic_cp_trains_as_cp1(documents):
+    # --startrail-team-size auto: the planner's team size for every CP size (arguments.py),
+    # each size's groups built with it, the losses and gradients of CP 1.
+    log, schedules = run_against_cp1(documents, 1, 8, "auto")
+    described = re.search(r"hybrid CP, StarTrail groups per CP size \((.*?)\), team sizes by the planner", log)
+    assert described, log[-3000:]
+    planned = {int(k): int(c) for k, c in re.findall(r"CP (\d+): team size (\d+)", described[1])}
+    assert sorted(planned) == [1, 2, 4, 8], planned
+    assert all(c == planned[k] for s in schedules for k, (_, c) in s.items()), (planned, schedules)
+    assert set().union(*schedules) == {1, 2, 4, 8}, schedules
 
 
 def test_auto_team_size_logs_the_planners_choice_per_cp_size(monkeypatch):
