@@ -76,11 +76,13 @@ from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: E402
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
+    get_gpt_mtp_block_spec,
 )
 from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec  # noqa: E402
 from megatron.core.models.hybrid.hybrid_model import HybridModel  # noqa: E402
 from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
+from megatron.core.transformer.multi_token_prediction import mtp_on_this_rank  # noqa: E402
 from megatron.core.utils import (  # noqa: E402
     flatten_batch_for_packed_sequences,
     get_attr_wrapped_model,
@@ -257,14 +259,20 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         spec = get_gpt_layer_local_spec(
             num_experts=args.num_experts, moe_grouped_gemm=args.moe_grouped_gemm, qk_layernorm=args.qk_layernorm,
             normalization=args.normalization, multi_latent_attention=mla)
+    # --mtp-num-layers: Megatron builds the MTP layers from the decoder's layer spec, apart
+    # from the decoder (GPTModel without it still splits the hidden states for the MTP loss).
+    mtp_spec = None if args.mtp_num_layers is None else get_gpt_mtp_block_spec(
+        config, spec, use_transformer_engine=args.transformer_impl == "transformer_engine", vp_stage=vp_stage)
     if args.context_parallel_algo != "megatron":
         # Every StarTrail flag reaches the model through this one call, shared with patches/
         # (the StarTrail groups are built on the first call, on every rank, in the same order).
         spec = startrail_spec_from_args(spec, args)
+        mtp_spec = mtp_spec and startrail_spec_from_args(mtp_spec, args)  # the MTP layers' attention too
     elif mla and args.transformer_impl == "local":  # Megatron's local core attention takes no MLA head dims
         spec = with_core_attention(spec, LocalMLACoreAttention)  # (nor packed documents; this one does)
+        mtp_spec = mtp_spec and with_core_attention(mtp_spec, LocalMLACoreAttention)
     return GPTModel(
-        config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+        config=config, transformer_layer_spec=spec, mtp_block_spec=mtp_spec, vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings, pre_process=pre_process, post_process=post_process,
         fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
@@ -376,7 +384,9 @@ def get_batch(data_iterator, vp_stage=None):
         tp_rank=tp_rank,
         micro_batch_size=args.micro_batch_size,
         seq_length=args.seq_length,
-        mtp_on_this_rank=False,
+        # The MTP layers (on the last stage) embed the tokens shifted, so that stage gets them too.
+        mtp_on_this_rank=mtp_on_this_rank(mtp_num_layers=args.mtp_num_layers, ignore_virtual=False,
+                                          vp_stage=vp_stage),
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         is_pipeline_first_stage=parallel_state.is_pipeline_first_stage(),
         is_pipeline_last_stage=parallel_state.is_pipeline_last_stage(),

@@ -43,8 +43,10 @@ def to_startrail_spec(spec, groups: StarTrailGroups):
     ``groups.config`` (a :class:`~megatron_startrail.config.StarTrailConfig`).
 
     Accepts a transformer-layer ``ModuleSpec`` or a block spec with ``layer_specs``
-    (what ``get_gpt_decoder_block_spec`` returns), with ``SelfAttention`` or Multi-Latent
-    Attention (``MLASelfAttention``, ``FusedMLASelfAttention``). Megatron's ``SelfAttention``
+    (what ``get_gpt_decoder_block_spec`` returns, or ``get_gpt_mtp_block_spec``: then the
+    transformer layers inside the multi-token prediction layers, ``--mtp-num-layers``), with
+    ``SelfAttention`` or Multi-Latent Attention (``MLASelfAttention``,
+    ``FusedMLASelfAttention``). Megatron's ``SelfAttention``
     becomes :class:`PackedRopeSelfAttention` (RoPE of packed documents in the sample layout),
     the MLA ones their :class:`~.packed_mla.PerDocumentRopeMLA` versions (per-document RoPE in
     both packed layouts, V at its own head dim); each is the same module otherwise.
@@ -78,6 +80,12 @@ def with_core_attention(spec, core_attention, replace_attention: dict | None = N
         spec.layer_specs = [with_core_attention(s, core_attention, replace_attention) for s in spec.layer_specs]
         return spec
     submodules = copy.copy(spec.submodules)
+    if hasattr(submodules, "mtp_model_layer"):
+        # A MultiTokenPredictionLayer (the layers of get_gpt_mtp_block_spec's block): its
+        # attention is that of the transformer layer it wraps, built apart from the decoder's.
+        submodules.mtp_model_layer = with_core_attention(submodules.mtp_model_layer, core_attention, replace_attention)
+        spec.submodules = submodules
+        return spec
     attention = copy.copy(submodules.self_attention)
     attention.module = (replace_attention or {}).get(attention.module, attention.module)
     attention_submodules = copy.copy(attention.submodules)
