@@ -22,6 +22,8 @@ from tests.megatron.example import ROOT, pretrain_gpt
 from tests.megatron.utils import cpu_patches
 from tests.multiproc import run_ranks
 
+from megatron.training.arguments import core_transformer_config_from_args  # noqa: E402 - after the CPU shims
+
 
 def readme_text() -> str:
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
@@ -74,7 +76,8 @@ def parse_worker(rank, world_size, argv, ranks, per_node):
     return dict(algo=args.context_parallel_algo, world=args.world_size, tp=args.tensor_model_parallel_size,
                 pp=args.pipeline_model_parallel_size, cp=args.context_parallel_size,
                 dp=args.data_parallel_size, team=args.startrail_team_size, ulysses=args.ulysses_degree_in_cp,
-                bf16=args.bf16, seq=args.seq_length)
+                bf16=args.bf16, seq=args.seq_length,
+                kv_heads=core_transformer_config_from_args(args).num_query_groups)
 
 
 def test_the_readme_gpu_command_launches_the_grid_it_asks_for_and_is_accepted():
@@ -94,3 +97,6 @@ def test_the_readme_gpu_command_launches_the_grid_it_asks_for_and_is_accepted():
     team, u = got["team"], got["ulysses"]
     assert isinstance(team, int) and (got["cp"] // u) % (team * team) == 0, got
     assert team > 1, f"the planner runs ring attention (C = 1) for README's 2-node command: {got}"
+    # The model it builds has the K/V heads the command names (Megatron drops --num-query-groups
+    # without --group-query-attention: the README once trained MHA while saying GQA).
+    assert got["kv_heads"] == int(flag(argv, "--num-query-groups", 0)), got
