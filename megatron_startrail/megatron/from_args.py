@@ -96,7 +96,7 @@ def config_from_args(args) -> StarTrailConfig:
         backward_rotation=args.startrail_backward_rotation, transfer=args.startrail_transfer,
         regather_in_backward=bool(args.startrail_regather_in_backward), kernel=args.startrail_kernel,
         deterministic=bool(getattr(args, "deterministic_mode", False)),
-        recompute_attention=bool(getattr(args, "startrail_recompute_attention", False)),
+        recompute_attention=bool(args.startrail_recompute_attention),
     )
 
 
