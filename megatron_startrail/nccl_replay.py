@@ -52,7 +52,16 @@ class _Op:
     def describe(self) -> str:
         what = self.detail if self.kind == "coll" else ", ".join(
             f"{d} {label} {'to' if d == 'send' else 'from'} rank {peer}" for peer, d, label, _ in self.detail)
-        return f"rank {self.rank} {self.kind} on {self.comm[0]} {list(self.comm[1])} ({what})"
+        return f"rank {self.rank} {self.kind} on {self.comm[0]} {_ranks(self.comm[1])} ({what})"
+
+
+def _ranks(ranks) -> str:
+    """A communicator's ranks for a message: listed, or their span when there are many (scale replays)."""
+    ranks = list(ranks)
+    if len(ranks) <= 8:
+        return str(ranks)
+    consecutive = ranks == list(range(ranks[0], ranks[0] + len(ranks)))
+    return f"[{ranks[0]}..{ranks[-1]}]" if consecutive else f"[{len(ranks)} ranks: {ranks[0]}, {ranks[1]}, ..., {ranks[-1]}]"
 
 
 def _build(programs: dict[int, list]) -> tuple[dict, list[str]]:
@@ -85,16 +94,19 @@ def _build(programs: dict[int, list]) -> tuple[dict, list[str]]:
         received = p2p_queue.get((comm, src, dst, "recv"), [])
         for k, (op, label, nbytes) in enumerate(sent):
             if k >= len(received):
-                problems.append(f"{op.describe()}: send #{k} to rank {dst} has no receive on {comm[0]}")
+                problems.append(f"rank {src}'s send #{k} to rank {dst} on {comm[0]} ({label}) has no receive: rank "
+                                f"{dst} never posts it, and {op.describe()} waits for it")
                 continue
             peer_op, peer_label, peer_bytes = received[k]
             if nbytes != peer_bytes:
-                problems.append(f"{comm[0]} {list(comm[1])}: send #{k} rank {src} -> {dst} ({label}, {nbytes} B) "
+                problems.append(f"{comm[0]} {_ranks(comm[1])}: send #{k} rank {src} -> {dst} ({label}, {nbytes} B) "
                                 f"meets receive {peer_label} of {peer_bytes} B")
             op.partners.append(peer_op)
             peer_op.partners.append(op)
         for k in range(len(sent), len(received)):
-            problems.append(f"{received[k][0].describe()}: receive #{k} from rank {src} has no send on {comm[0]}")
+            op, label, _ = received[k]
+            problems.append(f"rank {dst}'s receive #{k} from rank {src} on {comm[0]} ({label}) has no send: rank "
+                            f"{src} never posts it, and {op.describe()} waits for it")
     by_comm: dict[tuple, dict[int, list]] = defaultdict(dict)
     for (comm, rank), seq in colls.items():
         by_comm[comm][rank] = seq
@@ -104,7 +116,7 @@ def _build(programs: dict[int, list]) -> tuple[dict, list[str]]:
             at = {r: per_rank.get(r, [])[k] if k < len(per_rank.get(r, [])) else None for r in members}
             labels = {r: (o.detail if o is not None else None) for r, o in at.items()}
             if len(set(labels.values())) > 1:
-                problems.append(f"{comm[0]} {list(comm[1])}: collective #{k} is {labels} by rank: posted in "
+                problems.append(f"{comm[0]} {_ranks(comm[1])}: collective #{k} is {labels} by rank: posted in "
                                 "different orders (NCCL runs a communicator's collectives in posting order)")
             for o in at.values():
                 if o is not None:

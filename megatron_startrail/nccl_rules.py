@@ -51,6 +51,11 @@ _AUDITS: list[RuleAudit] = []  # this process's audits, in creation order (this 
 _PROGRAM: list[tuple] = []  # this process's posts and waits, in order (nccl_replay's events)
 _WORK_OPS: dict[int, tuple[object, int]] = {}  # id(work) -> (work, op id) of the works not yet waited
 _POSTS = [0]  # posts recorded since the last take_program (the next op id)
+# A communicator's name in the program, by its process group's name (the same on every rank:
+# groups are created collectively, in one order). One group serving several roles or group
+# sets (a reused group, Note [communicators] in groups.py) is one communicator: one name, so
+# the replay orders all its operations on one stream.
+_NAMES: dict[str, str] = {}
 
 
 def enabled() -> bool:
@@ -60,8 +65,11 @@ def enabled() -> bool:
 class RuleAudit:
     """What one rank did on the groups of one :class:`~megatron_startrail.groups.StarTrailGroups`."""
 
-    def __init__(self, group_ranks: dict[str, tuple[int, ...]]) -> None:
+    def __init__(self, group_ranks: dict[str, tuple[int, ...]], groups: dict | None = None) -> None:
         self.index = len(_AUDITS)
+        for role, group in (groups or {}).items():  # the first role naming a group names it
+            if group is not None:
+                name_group(group, f"{role}#{self.index}")
         self.group_ranks = group_ranks  # role -> global ranks of this rank's group of that role
         self.first_op: dict[str, str] = {}
         self.sent: dict[tuple[str, int], list] = defaultdict(list)  # (role, peer) -> [(label, bytes)]
@@ -91,9 +99,72 @@ def take_program() -> list[tuple]:
     """This process's recorded program so far (posts and waits), forgetting it."""
     program = list(_PROGRAM)
     _PROGRAM.clear()
+    _NAMES.clear()
     _WORK_OPS.clear()
     _POSTS[0] = 0
     return program
+
+
+def name_group(group, name: str) -> None:
+    """Call ``group``'s communicator ``name`` in the program (unless it already has one)."""
+    _NAMES.setdefault(group.group_name, name)
+
+
+def comm_of(group) -> tuple:
+    """``group``'s communicator as the program names it: (name, global ranks), the same on
+    every rank; a group nobody named goes by torch's name for it."""
+    ranks = tuple(dist.get_process_group_ranks(group))
+    return (_NAMES.get(group.group_name, f"group:{group.group_name}"), ranks)
+
+
+def record_collective(group, label: str, works) -> None:
+    """Record a collective posted outside StarTrail's transport (Megatron's own: its gradient
+    reduce, the hybrid-CP schedule's barrier), so the replay orders it with StarTrail's."""
+    _record_post(comm_of(group), "coll", label, works)
+
+
+def record_wait(works) -> None:
+    """Record that the compute stream waits for ``works`` (posted through :func:`record_collective`)."""
+    _record_wait(works if isinstance(works, list) else [works])
+
+
+def record_megatron_grad_reduce() -> None:
+    """Record Megatron's data-parallel gradient reduce as one more communicator (this mode
+    only; idempotent; nothing when megatron's DDP is not imported): each bucket group's
+    ``start_grad_sync`` -- its buckets' all-reduces or reduce-scatters over DP (x CP),
+    coalesced into one NCCL group call, posted during the backward under
+    ``--overlap-grad-reduce`` -- is one collective, and ``finish_grad_sync`` the wait for it
+    (at once when not overlapped). Hooked at the bucket group, not at torch's all_reduce:
+    inside Megatron's coalescing manager the per-bucket calls return no work to wait on."""
+    import sys  # noqa: PLC0415
+
+    module = sys.modules.get("megatron.core.distributed.param_and_grad_buffer")
+    group_cls = getattr(module, "_ParamAndGradBucketGroup", None)
+    if group_cls is None or getattr(group_cls, "_startrail_recorded", False):
+        return
+    start, finish = group_cls.start_grad_sync, group_cls.finish_grad_sync
+
+    def start_grad_sync(self, *args, **kwargs):
+        result = start(self, *args, **kwargs)
+        config = self.ddp_config
+        group = self.intra_distributed_optimizer_instance_group if config.use_distributed_optimizer \
+            else self.data_parallel_group
+        kind = "reduce_scatter" if config.use_distributed_optimizer else "all_reduce"
+        handle = self.grad_reduce_handle  # None: it ran synchronously
+        token = handle if handle is not None else object()
+        name_group(group, "megatron_dp_grads")
+        record_collective(group, f"megatron_grad_{kind} x{len(self.buckets)}", token)
+        if handle is None:
+            record_wait(token)
+        return result
+
+    def finish_grad_sync(self, *args, **kwargs):
+        if self.grad_reduce_handle is not None:
+            record_wait(self.grad_reduce_handle)
+        return finish(self, *args, **kwargs)
+
+    group_cls.start_grad_sync, group_cls.finish_grad_sync = start_grad_sync, finish_grad_sync
+    group_cls._startrail_recorded = True
 
 
 def _record_post(comm: tuple, kind: str, detail, works) -> None:
@@ -162,12 +233,9 @@ def checked(transport_cls):
             return twin if twin is not None and channel == "side" else main
 
         def _comm(self, group) -> tuple:
-            """The communicator, the same name on every rank: group set index and role."""
-            role = self.role_of(group)
-            if role in self.audit.group_ranks:
-                return (f"{role}#{self.audit.index}", self.audit.group_ranks[role])
-            ranks = tuple(dist.get_process_group_ranks(group))  # a caller's group (Megatron's CP group)
-            return (f"group{list(ranks)}", ranks)
+            """The communicator, the same name on every rank: the role and group set index of
+            the first audit holding it (a group reused by a later set keeps its first name)."""
+            return comm_of(group)
 
     Checked.__name__ = f"Checked{transport_cls.__name__}"
     return Checked
@@ -203,6 +271,16 @@ def verify(exports: list[list[dict]]) -> list[str]:
     return problems
 
 
+def _posts_per_comm(programs: list[list]) -> dict[str, int]:
+    """Posts by communicator name, summed over ranks and group sets ("team#3" counts as "team")."""
+    counts: dict[str, int] = defaultdict(int)
+    for program in programs:
+        for event in program:
+            if event[0] == "post":
+                counts[event[2][0].split("#")[0]] += 1
+    return dict(sorted(counts.items()))
+
+
 def verify_across_ranks() -> None:
     """Gather every rank's audits and program over the default group and raise on any
     violation of rules 1-3 (collective over the default group; the records are forgotten)."""
@@ -214,7 +292,8 @@ def verify_across_ranks() -> None:
         verdict[0] = verify([g[0] for g in gathered]) + replay({rank: g[1] for rank, g in enumerate(gathered)})
         if os.environ.get(REPLAY_LOG):  # how many runs were replayed, and their size (the suite's count)
             with open(os.environ[REPLAY_LOG], "a", encoding="utf-8") as f:
-                f.write(f"{len(gathered)} ranks, {sum(len(g[1]) for g in gathered)} events\n")
+                f.write(f"{len(gathered)} ranks, {sum(len(g[1]) for g in gathered)} events; posts per "
+                        f"communicator {_posts_per_comm([g[1] for g in gathered])}\n")
     dist.broadcast_object_list(verdict, src=0)
     problems = verdict[0]
     if problems:
