@@ -124,6 +124,39 @@ class StarTrailGroups:
 # to a lower rank their own TCP connection. Per rank, from Megatron (its CP group reused):
 # U = 1 makes the twin and, for C > 1, the team (before: five); U > 1 adds the Ulysses
 # group and the StarTrail group with its twin (and the CP twin on gloo) (before: six).
+#
+# A group the caller already has is not made again either. Every CP group a caller hands
+# over (``cp_group``: Megatron's, of each size under hybrid CP) is remembered with the ranks
+# of its whole family (``cp_ranks``, the same on every rank); a later team or Ulysses group
+# -- collectives only, one call at a time -- over the same ranks is that group. Under hybrid
+# CP a team is C consecutive ranks of an aligned slice, which is Megatron's aligned group of
+# C: at DP x CP = 64 with C <= 8 the teams of sizes 4..64 reuse its groups of 2, 4 and 8
+# (11 communicators per rank -> 6; benchmarks/results/scale_replay.md). Sharing a
+# communicator orders those operations on one stream; the NCCL replay names a group by its
+# process group, so it checks that order across every set that uses it. Group creation stays
+# collective: every rank knows every family, so all skip the same creations.
+REUSE_HANDED_GROUPS = True  # False: a team or Ulysses group is always made (the count before)
+_HANDED: dict = {"world": None, "by_ranks": {}}  # ranks -> this rank's group (None: not in it)
+
+
+def _remember_handed(cp_ranks: list[list[int]], cp_group) -> None:
+    """Remember a caller's CP group family (for the default group of this run only)."""
+    if cp_group is None:
+        return
+    if _HANDED["world"] is not dist.group.WORLD:  # a new run in this process: forget the old groups
+        _HANDED.update(world=dist.group.WORLD, by_ranks={})
+    rank = dist.get_rank()
+    for ranks in cp_ranks:
+        _HANDED["by_ranks"].setdefault(tuple(ranks), cp_group if rank in ranks else None)
+
+
+def _handed(ranks: list[int]):
+    """The caller's group over exactly ``ranks`` as ``(True, this rank's group or None)``;
+    ``(False, None)`` when the caller handed none."""
+    if not REUSE_HANDED_GROUPS or _HANDED["world"] is not dist.group.WORLD:
+        return False, None
+    found = _HANDED["by_ranks"].get(tuple(ranks), False)
+    return (False, None) if found is False else (True, found)
 
 
 def _checked_cp_ranks(cp_ranks, cp_group) -> list[list[int]]:
@@ -152,7 +185,9 @@ def _create_groups(plans, cp_ranks, ulysses_size, team_size, timeout, create_gro
     def create(rank_lists: list[list[int]], role: str) -> object | None:
         mine = None
         for ranks in rank_lists:
-            pg = create_group(ranks, timeout=timeout, group_desc=f"STARTRAIL_{role.upper()}")
+            handed, pg = _handed(ranks) if role in ("team", "ulysses") else (False, None)
+            if not handed:
+                pg = create_group(ranks, timeout=timeout, group_desc=f"STARTRAIL_{role.upper()}")
             if rank in ranks:
                 mine = pg
         return mine
@@ -233,6 +268,7 @@ def new_startrail_groups(
     plans = [plan_cp_group(g, team_size, ulysses_size) for g in cp_ranks]
 
     mine = _create_groups(plans, cp_ranks, ulysses_size, team_size, timeout, create_group, cp_group)
+    _remember_handed(cp_ranks, cp_group)
     groups = _groups_of_this_rank(mine, next(g for g in cp_ranks if rank in g), config)
     if eager_init:
         groups.transport.initialize()
@@ -248,8 +284,10 @@ def _groups_of_this_rank(mine: dict, my_cp: list[int], config: StarTrailConfig) 
     st_ranks = tuple(my_cp[s * ulysses_size + u_rank] for s in range(len(my_cp) // ulysses_size))
     audit = None
     if nccl_rules.enabled():
+        nccl_rules.record_megatron_grad_reduce()  # Megatron's own communication in the replay, when it runs here
         audit = nccl_rules.RuleAudit({role: tuple(dist.get_process_group_ranks(g))
-                                      for role, g in mine.items() if g is not None})
+                                      for role, g in mine.items() if g is not None},
+                                      groups={role: mine[role] for role in ROLES})  # names: the transport's order
     transport = transport_for(mine, st_ranks, audit)
     cp_transport = transport.on(("cp", "cp_twin"), tuple(my_cp))  # P2P between CP ranks (halo exchange)
     return StarTrailGroups(
