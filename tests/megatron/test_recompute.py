@@ -188,3 +188,15 @@ def test_a_recomputation_without_a_kept_first_pass_recomputes_and_says_so(monkey
     with pytest.warns(UserWarning, match="recomputed with its communication"):
         out = kept_attention.KeptAttention().run(lambda *t: calls.append(t) or t[0] * 2, q, q, q, training=True)
     assert len(calls) == 1 and torch.equal(out, q * 2)
+
+
+def test_hybrid_context_parallelism_with_full_recomputation_trains_as_cp1(tmp_path):
+    # Megatron's hybrid (dynamic) CP: every sub-sample's attention, on its own CP size's
+    # groups, is kept through the recomputation as in static CP.
+    from tests.megatron.test_dynamic_cp import pretrain_gpt, run_against_cp1  # noqa: PLC0415
+
+    make = pretrain_gpt.make_indexed_dataset
+    prefix = str(tmp_path / "docs")
+    make.write_indexed_dataset(make.short_documents(), prefix)
+    _, schedules = run_against_cp1(["--data-path", prefix, "--split", "100,0,0"], 1, 8, "2", extra=FULL_UNIFORM)
+    assert {1, 2, 4, 8} <= set().union(*schedules), schedules
