@@ -77,14 +77,6 @@ def zigzag_chunks(cp_rank: int, cp_size: int) -> tuple[int, int]:
     return (cp_rank, 2 * cp_size - 1 - cp_rank)
 
 
-def startrail_position_chunks(position: int, ulysses_size: int, cp_size: int) -> tuple[int, ...]:
-    """Chunks held by StarTrail position ``position`` after the Ulysses all-to-all."""
-    chunks: list[int] = []
-    for u in range(ulysses_size):
-        chunks.extend(zigzag_chunks(position * ulysses_size + u, cp_size))
-    return tuple(chunks)
-
-
 
 # Rows of local storage: (document, start, stop), global token positions [start, stop)
 # of one document, back to back in storage order (Note [documents]).

@@ -7,13 +7,14 @@ from megatron_startrail.blocks import merge_lse_, merge_partials
 from megatron_startrail.kernels import ReferenceKernel, TorchCPUFlashKernel, kernel_for
 from megatron_startrail.layout import (
     KernelCall,
+    Documents,
     cp_rank_segments,
     dense_sequence,
     plan_calls,
+    rows_of_cp_ranks,
     segment_rows,
     split_rows,
     split_segments,
-    startrail_position_chunks,
     zigzag_chunks,
 )
 from tests.attention_cases import TOLERANCE, flash_rule, plan_coverage, reference_with_grads, relative_error, zigzag_ranges
@@ -224,8 +225,9 @@ def test_causal_plan_matches_the_chunk_picture():
     # Against itself: the full block (chunk 3 sees chunk 0) and the two diagonals, two calls.
     assert plan((0, 3), (0, 3)) == [(((4, 8),), (((0, 4),),), (-1, -1)),
                                     (((0, 4), (4, 8)), (((0, 4),), ((4, 8),)), (-1, 0))]
-    # Ulysses U=2 over CP=4: StarTrail position 1 holds CP ranks 2 and 3's chunks.
-    assert startrail_position_chunks(1, 2, 4) == (2, 5, 3, 4)
+    # Ulysses U=2 over CP=4: StarTrail position 1 holds CP ranks 2 and 3's chunks, (2, 5, 3, 4)
+    # of 8 chunks of 8 tokens (what team.team_segments asks for).
+    assert rows_of_cp_ranks(Documents(4, (0, 64)), (2, 3)) == tuple((0, 8 * c, 8 * c + 8) for c in (2, 5, 3, 4))
 
 
 def test_calls_do_not_grow_with_documents_or_window_tiles():
