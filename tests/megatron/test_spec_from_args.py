@@ -72,6 +72,11 @@ def patched_script_model(flags):
     exec("\n".join(line for line in added_lines() if line.startswith("from megatron_startrail")), ns)
     exec(added_block("def extra_args_provider(parser):"), ns)
     exec(added_block("def startrail_layer_spec(config, vp_stage=None):"), ns)
+    # --mtp-num-layers: the patch's replacement of megatron.training's MTP block spec.
+    exec("from megatron.training.models import gpt as gpt_models", ns)
+    assert "from megatron.training.models import gpt as gpt_models" in added_lines()
+    exec(added_block("def startrail_mtp_block_spec(config, transformer_layer_spec, vp_stage=None):"), ns)
+    exec(added_block("megatron_mtp_block_spec = gpt_models.mtp_block_spec"), ns)
     sys.argv = ["pretrain_gpt.py", *argv(flags)]
     args = parse_and_validate_args(extra_args_provider=ns["extra_args_provider"],
                                    args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
