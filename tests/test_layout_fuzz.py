@@ -94,14 +94,14 @@ def _strided_dout(dout: torch.Tensor) -> torch.Tensor:
     return wide[..., : dout.shape[-1]]
 
 
-def _documents(s: Setting, seed: int):
+def _documents(s: Setting, seed: int, world: int):
     """``(cu, padded, doc, positions held by each rank)`` for the setting's packing."""
     if s.packing == "dense":
-        seq = 2 * WORLD * CHUNK
+        seq = 2 * world * CHUNK
         cu = torch.tensor([0, seq], dtype=torch.int32)
-        return None, None, document_of_positions(cu, None), [held_positions(r, WORLD, cu, None) for r in range(WORLD)]
-    cu, padded = make_documents(WORLD, CHUNK, s.packing, seed)
-    return cu, padded, document_of_positions(cu, padded), [held_positions(r, WORLD, cu, padded) for r in range(WORLD)]
+        return None, None, document_of_positions(cu, None), [held_positions(r, world, cu, None) for r in range(world)]
+    cu, padded = make_documents(world, CHUNK, s.packing, seed)
+    return cu, padded, document_of_positions(cu, padded), [held_positions(r, world, cu, padded) for r in range(world)]
 
 
 def run_setting(groups, rank, s: Setting, layout: str, dtype, seed: int, sink: str | None = None) -> dict[str, float]:
@@ -109,7 +109,7 @@ def run_setting(groups, rank, s: Setting, layout: str, dtype, seed: int, sink: s
     of batch 0, the one sample handed to the attention). ``sink``: with attention sinks,
     "off-by-one" (zeros, no gradient) or "learnable" (random logits; then the sinks'
     gradient, summed over the ranks -- collective on the default group -- is checked too)."""
-    cu, padded, doc, held = _documents(s, seed)
+    cu, padded, doc, held = _documents(s, seed, groups.cp_size)
     seq, mine = len(doc), held[rank]
     # K/V share one stored head when the layout expands them; the reference sees them expanded.
     stored_kv = 1 if layout == "expanded" else s.kv_heads
@@ -153,13 +153,13 @@ def run_setting(groups, rank, s: Setting, layout: str, dtype, seed: int, sink: s
     return errors
 
 
-def check_settings(rank, runs, seed: int) -> tuple[list[str], int]:
-    """Every setting of :data:`SETTINGS` on each ``(layout, dtype, sink)`` of ``runs``, with
+def check_settings(rank, runs, seed: int, settings=SETTINGS) -> tuple[list[str], int]:
+    """Every setting of ``settings`` on each ``(layout, dtype, sink)`` of ``runs``, with
     poisoned uninitialised memory; returns the failures and how many runs were checked."""
     torch.use_deterministic_algorithms(True)
     torch.utils.deterministic.fill_uninitialized_memory = True  # poison: unwritten rows show up as NaN
     groups, failures, checked = {}, [], 0
-    for index, s in enumerate(SETTINGS):
+    for index, s in enumerate(settings):
         key = (s.team, s.ulysses, s.rotation)
         if key not in groups:  # collective: every rank builds the same sets in the same order
             groups[key] = new_startrail_groups(team_size=s.team, ulysses_size=s.ulysses, backward_rotation=s.rotation)

@@ -4,7 +4,8 @@ against float64 attention with Megatron's ``SoftmaxOne`` rule, the sinks' gradie
 Every setting of the layout fuzz (both rotations, regathering, Ulysses with 1 < kv heads < U,
 TASP's multi-ring, windows by halo and by schedule, both packed layouts, MLA, GQA/MQA) runs
 with learnable sinks in float64 and float32 and with off-by-one sinks in float64, on the
-fused-QKV views Megatron hands over. The sinks' gradient is each rank's rows' share, summed
+fused-QKV views Megatron hands over; C = 4 (P = 16: the piece-major backward, the scheduled
+window) with learnable sinks in float64. The sinks' gradient is each rank's rows' share, summed
 over the ranks as Megatron's gradient all-reduce does.
 """
 
@@ -13,13 +14,32 @@ import torch
 
 from megatron_startrail import new_startrail_groups, startrail_attn
 from tests.multiproc import run_ranks
-from tests.test_layout_fuzz import SETTINGS, WORLD, check_settings
+from tests.test_layout_fuzz import SETTINGS, WORLD, Setting, check_settings
 
 RUNS = [("learnable", torch.float64), ("off-by-one", torch.float64), ("learnable", torch.float32)]
 
 
 def sinks_worker(rank, world_size):
     return check_settings(rank, [("fused", dtype, sink) for sink, dtype in RUNS], seed=900)
+
+
+# C = 4 needs P = 16 (C * C divides P): the piece-major backward (sub-rings of one position).
+C4_SETTINGS = [
+    Setting("C4 q", team=4, rotation="q"),
+    Setting("C4 kv regather GQA", team=4, rotation="kv", regather=True, kv_heads=2),
+    Setting("C4 window schedule", team=4, rotation="q", window=(3 * 4, 0), halo=False),
+]
+
+
+def c4_sinks_worker(rank, world_size):
+    return check_settings(rank, [("fused", torch.float64, "learnable")], seed=950, settings=C4_SETTINGS)
+
+
+def test_sinks_are_exact_at_c4():
+    results = run_ranks(c4_sinks_worker, 16, timeout=600)
+    failures = sorted({f for fails, _ in results for f in fails})
+    assert not failures, "\n".join(failures[:40])
+    assert all(n == len(C4_SETTINGS) for _, n in results)
 
 
 def test_sinks_are_exact_on_every_setting():
