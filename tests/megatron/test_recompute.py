@@ -200,3 +200,4 @@ def test_hybrid_context_parallelism_with_full_recomputation_trains_as_cp1(tmp_pa
     make.write_indexed_dataset(make.short_documents(), prefix)
     _, schedules = run_against_cp1(["--data-path", prefix, "--split", "100,0,0"], 1, 8, "2", extra=FULL_UNIFORM)
     assert {1, 2, 4, 8} <= set().union(*schedules), schedules
+
