@@ -15,6 +15,7 @@ list needs updating).
     python scripts/mutation_check.py -k 3 -k 17    # only these (numbers of --list)
     python scripts/mutation_check.py --list        # the mutations, numbered
     python scripts/mutation_check.py --worktree /tmp/mut  # reuse an existing worktree (reset to its HEAD)
+    python scripts/mutation_check.py --no-baseline       # skip the unmutated run that comes first (~4 min)
 
 Runs the worktree's code and tests with ``PYTHONPATH=<worktree>`` (checked at start:
 ``megatron_startrail`` must import from the worktree) and this interpreter.
@@ -261,6 +262,8 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per mutant (default 1200)")
     parser.add_argument("--tests", nargs="+", default=None, help="test files (default: the fast part)")
     parser.add_argument("--logs", default=None, help="folder for each mutant's pytest log")
+    parser.add_argument("--no-baseline", action="store_true",
+                        help="skip running the unmutated tests first (they must pass, or every mutant looks caught)")
     args = parser.parse_args()
     selected = [(i, m) for i, m in enumerate(MUTATIONS, 1) if not args.k or i in args.k]
     if args.list:
@@ -287,6 +290,15 @@ def main() -> int:
         if not where.startswith(os.path.realpath(worktree)) and not where.startswith(worktree):
             raise SystemExit(f"megatron_startrail imports from {where}, not from the worktree {worktree}")
         print(f"worktree {worktree} ({where}); logs in {log_dir}; tests: {' '.join(tests)}", file=sys.stderr)
+        if not args.no_baseline:
+            proc = subprocess.run([sys.executable, "-m", "pytest", *tests, "-x", "-q", "-p", "no:cacheprovider"],
+                                  cwd=worktree, env=dict(os.environ, PYTHONPATH=worktree,
+                                                         STARTRAIL_CHECK_NCCL_RULES="1"),
+                                  capture_output=True, text=True, timeout=args.timeout)
+            if proc.returncode != 0:
+                print(proc.stdout[-3000:] + proc.stderr[-2000:], file=sys.stderr)
+                raise SystemExit("the unmutated tests fail: fix them first (or pass --no-baseline)")
+            print("baseline: the unmutated tests pass", file=sys.stderr)
         for i, mutation in selected:
             row = run_mutation(worktree, i, mutation, tests, args.timeout, log_dir)
             rows.append(row)
