@@ -19,7 +19,9 @@ import os
 
 import pytest
 
-from tests.megatron.utils import Utils, parallel_state, sample_batch, tiny_gpt, train_steps, worst_grad_error
+from tests.megatron.utils import (
+    Utils, by_tp_rank, parallel_state, results_of_tp_rank, sample_batch, tiny_gpt, train_steps, worst_grad_error,
+)
 from megatron_startrail.megatron.parallel_state import initialize_startrail
 from tests.multiproc import run_ranks
 
@@ -58,14 +60,7 @@ def worker(rank, world_size, cp, cases):
         layouts = record_layouts(model)
         losses, grads = train_steps(model, STEPS, LR, sample_batch)
         results[(name, rotation, heads)] = (weights, grads, losses, layouts)
-    keep = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    Utils.destroy_model_parallel()
-    return (tp_rank, results) if keep else None
-
-
-def by_tp_rank(results):
-    return dict(r for r in results if r is not None)
+    return results_of_tp_rank(results)
 
 
 def measure():

@@ -28,7 +28,8 @@ import torch
 from tests.megatron.example import ROOT, pretrain_gpt
 from tests.megatron.utils import (
     HEADS, HIDDEN, LAYERS, SEQ, VOCAB, GPTModel, TransformerConfig, Utils, cpu_patches, get_gpt_layer_local_spec,
-    parallel_state, relative_grad_errors, sample_batch, to_startrail_spec, train_steps, worst_grad_error,
+    by_tp_rank, parallel_state, relative_grad_errors, results_of_tp_rank, sample_batch, to_startrail_spec, train_steps,
+    worst_grad_error,
 )
 from megatron_startrail import attention as startrail_attention
 from megatron_startrail.megatron.parallel_state import initialize_startrail
@@ -108,14 +109,7 @@ def worker(rank, world_size, tp, cp, team, cases):
         del paths[:]
         losses, grads = train_steps(model, STEPS, LR, sample_batch)
         results[name] = (weights, sinks, grads, losses, sorted(set(paths)))
-    keep = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    Utils.destroy_model_parallel()
-    return (tp_rank, results) if keep else None
-
-
-def by_tp_rank(results):
-    return dict(r for r in results if r is not None)
+    return results_of_tp_rank(results)
 
 
 def vanilla_twin(case):

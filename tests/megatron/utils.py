@@ -216,3 +216,17 @@ def assert_first_step_grads_match(grads: dict, ref: dict, what: str, tol: float 
     print(f"{what}: worst relative first-step grad error {err:.2e} ({name})")
     assert err <= tol, f"{what} {name}: relative grad error {err:.2e} > {tol:.0e}"
     return err
+
+
+def results_of_tp_rank(results):
+    """End of a forked world that ran several models: ``(TP rank, results)`` on DP x CP rank 0
+    (its results stand for its TP rank), None elsewhere; model parallelism torn down."""
+    keep = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    Utils.destroy_model_parallel()
+    return (tp_rank, results) if keep else None
+
+
+def by_tp_rank(results):
+    """The worlds' :func:`results_of_tp_rank` by TP rank."""
+    return dict(r for r in results if r is not None)
