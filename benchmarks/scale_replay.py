@@ -275,7 +275,7 @@ def simulate_global_batch(world: int, seed: int, max_seqlen: int = 64) -> list[l
     raise RuntimeError(f"no aligned schedule at DP x CP = {world} in 50 seeds from {seed}")
 
 
-def record_dynamic(world: int, team: int, schedule: list[list[list[int]]]) -> Recording:
+def record_dynamic(world: int, team: int, schedule: list[list[list[int]]], reuse: bool = True) -> Recording:
     """Every rank's program for one layer over the global batch ``schedule``: Megatron's
     groups and StarTrail's for every CP size (the integration's entry points), each rank's
     sub-samples phase by phase, Megatron's barrier over DP x CP between phases."""
@@ -294,7 +294,7 @@ def record_dynamic(world: int, team: int, schedule: list[list[list[int]]]) -> Re
             created.phase = "startrail"
             try:
                 dynamic = initialize_dynamic_startrail(StarTrailConfig(team_size=team, kernel="reference"),
-                                                       order="tp-cp-ep-dp-pp")
+                                                       order="tp-cp-ep-dp-pp", reuse_megatron_groups=reuse)
                 for phase, per_rank in enumerate(schedule):
                     for sample in per_rank[rank]:
                         _layer(dynamic.for_call(holders[phase][sample], None), 8, 4)
@@ -342,10 +342,7 @@ def run_dynamic(world: int, team: int, seed: int, megatron: int) -> dict:
     start = time.perf_counter()
     recording = record_dynamic(world, team, schedule)
     seconds = time.perf_counter() - start
-    from megatron_startrail import groups as groups_module  # noqa: PLC0415
-
-    with mock.patch.object(groups_module, "REUSE_HANDED_GROUPS", False):
-        before = max(record_dynamic(world, team, schedule[:1]).comms.values())
+    before = max(record_dynamic(world, team, schedule[:1], reuse=False).comms.values())
     sizes = {}
     for per_rank in schedule:
         for s in {s for ids in per_rank for s in ids}:

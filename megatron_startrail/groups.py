@@ -125,38 +125,17 @@ class StarTrailGroups:
 # U = 1 makes the twin and, for C > 1, the team (before: five); U > 1 adds the Ulysses
 # group and the StarTrail group with its twin (and the CP twin on gloo) (before: six).
 #
-# A group the caller already has is not made again either. Every CP group a caller hands
-# over (``cp_group``: Megatron's, of each size under hybrid CP) is remembered with the ranks
-# of its whole family (``cp_ranks``, the same on every rank); a later team or Ulysses group
-# -- collectives only, one call at a time -- over the same ranks is that group. Under hybrid
-# CP a team is C consecutive ranks of an aligned slice, which is Megatron's aligned group of
-# C: at DP x CP = 64 with C <= 8 the teams of sizes 4..64 reuse its groups of 2, 4 and 8
-# (11 communicators per rank -> 6; benchmarks/results/scale_replay.md). Sharing a
-# communicator orders those operations on one stream; the NCCL replay names a group by its
-# process group, so it checks that order across every set that uses it. Group creation stays
-# collective: every rank knows every family, so all skip the same creations.
-REUSE_HANDED_GROUPS = True  # False: a team or Ulysses group is always made (the count before)
-_HANDED: dict = {"world": None, "by_ranks": {}}  # ranks -> this rank's group (None: not in it)
-
-
-def _remember_handed(cp_ranks: list[list[int]], cp_group) -> None:
-    """Remember a caller's CP group family (for the default group of this run only)."""
-    if cp_group is None:
-        return
-    if _HANDED["world"] is not dist.group.WORLD:  # a new run in this process: forget the old groups
-        _HANDED.update(world=dist.group.WORLD, by_ranks={})
-    rank = dist.get_rank()
-    for ranks in cp_ranks:
-        _HANDED["by_ranks"].setdefault(tuple(ranks), cp_group if rank in ranks else None)
-
-
-def _handed(ranks: list[int]):
-    """The caller's group over exactly ``ranks`` as ``(True, this rank's group or None)``;
-    ``(False, None)`` when the caller handed none."""
-    if not REUSE_HANDED_GROUPS or _HANDED["world"] is not dist.group.WORLD:
-        return False, None
-    found = _HANDED["by_ranks"].get(tuple(ranks), False)
-    return (False, None) if found is False else (True, found)
+# A group the caller already has is not made again either. A caller that holds other
+# groups over these ranks hands them over (``existing_groups``: ranks -> its group on this
+# rank, None where the rank is not in it, the same keys on every rank); a team or Ulysses
+# group -- collectives only, one call at a time -- over the same ranks is that group. Under
+# hybrid CP a team is C consecutive ranks of an aligned slice, which is Megatron's aligned
+# group of C (megatron/dynamic_cp.py hands over the groups of the smaller sizes): at
+# DP x CP = 64 with C <= 8 the teams of sizes 4..64 reuse its groups of 2, 4 and 8 (11
+# communicators per rank -> 6; benchmarks/results/scale_replay.md). Sharing a communicator
+# orders those operations on one stream; the NCCL replay names a group by its process
+# group, so it checks that order across every set that uses it. Group creation stays
+# collective: every rank has the same keys, so all skip the same creations.
 
 
 def _checked_cp_ranks(cp_ranks, cp_group) -> list[list[int]]:
@@ -176,7 +155,8 @@ def _checked_cp_ranks(cp_ranks, cp_group) -> list[list[int]]:
     return cp_ranks
 
 
-def _create_groups(plans, cp_ranks, ulysses_size, team_size, timeout, create_group, cp_group) -> dict:
+def _create_groups(plans, cp_ranks, ulysses_size, team_size, timeout, create_group, cp_group,
+                   existing_groups: dict) -> dict:
     """Every group of every CP group, role by role in one order on every rank (collective);
     returns this rank's group of each role (Note [communicators])."""
     rank = dist.get_rank()
@@ -185,8 +165,9 @@ def _create_groups(plans, cp_ranks, ulysses_size, team_size, timeout, create_gro
     def create(rank_lists: list[list[int]], role: str) -> object | None:
         mine = None
         for ranks in rank_lists:
-            handed, pg = _handed(ranks) if role in ("team", "ulysses") else (False, None)
-            if not handed:
+            if role in ("team", "ulysses") and tuple(ranks) in existing_groups:
+                pg = existing_groups[tuple(ranks)]
+            else:
                 pg = create_group(ranks, timeout=timeout, group_desc=f"STARTRAIL_{role.upper()}")
             if rank in ranks:
                 mine = pg
@@ -228,6 +209,7 @@ def new_startrail_groups(
     create_group: Callable = torch_new_group,
     eager_init: bool = True,
     cp_group=None,
+    existing_groups: dict | None = None,
 ) -> StarTrailGroups:
     """Create the StarTrail groups of every CP group; collective on every rank.
 
@@ -253,6 +235,10 @@ def new_startrail_groups(
     ``parallel_state.get_context_parallel_group()``), used instead of a new one -- and, with
     Ulysses off, as the StarTrail group too, whose ranks are the same (Note [communicators]).
     Pass it on every rank or on none (group creation is collective).
+
+    ``existing_groups``: other groups the caller holds, ``{tuple(ranks): this rank's group,
+    or None where it is not in it}``, the same keys on every rank; a team or Ulysses group
+    over the same ranks is taken from it instead of made (Note [communicators]).
     """
     if not dist.is_initialized():
         raise RuntimeError("new_startrail_groups needs torch.distributed to be initialized")
@@ -267,8 +253,8 @@ def new_startrail_groups(
     team_size, ulysses_size = config.team_size, config.ulysses_size
     plans = [plan_cp_group(g, team_size, ulysses_size) for g in cp_ranks]
 
-    mine = _create_groups(plans, cp_ranks, ulysses_size, team_size, timeout, create_group, cp_group)
-    _remember_handed(cp_ranks, cp_group)
+    mine = _create_groups(plans, cp_ranks, ulysses_size, team_size, timeout, create_group, cp_group,
+                          existing_groups or {})
     groups = _groups_of_this_rank(mine, next(g for g in cp_ranks if rank in g), config)
     if eager_init:
         groups.transport.initialize()

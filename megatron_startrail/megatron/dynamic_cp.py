@@ -93,10 +93,14 @@ class DynamicCPGroups:
 
 def initialize_dynamic_startrail(config: StarTrailConfig, *, order: str, team_sizes: dict[int, int] | None = None,
                                  timeout: datetime.timedelta | None = None,
-                                 nccl_comm_cfgs: dict | None = None) -> DynamicCPGroups:
+                                 nccl_comm_cfgs: dict | None = None,
+                                 reuse_megatron_groups: bool = True) -> DynamicCPGroups:
     """Build the StarTrail groups of every hybrid CP group; collective, once, right after
     ``initialize_model_parallel(hybrid_context_parallel=True)``. ``team_sizes[k]`` (the
-    planner's per size, with ``--startrail-team-size auto``) or :func:`team_size_for`."""
+    planner's per size, with ``--startrail-team-size auto``) or :func:`team_size_for`.
+    ``reuse_megatron_groups``: a team or Ulysses group over the ranks of one of Megatron's
+    smaller hybrid groups is that group (Note [communicators]; False: made anew, to count
+    what the reuse saves)."""
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("call parallel_state.initialize_model_parallel before initialize_dynamic_startrail")
     if parallel_state.get_context_parallel_world_size() != 1 or \
@@ -108,14 +112,19 @@ def initialize_dynamic_startrail(config: StarTrailConfig, *, order: str, team_si
         if group_backend() == "nccl" else None
     create_group = functools.partial(parallel_state.create_group, pg_options=pg_options)
     result = DynamicCPGroups({}, config)
+    megatron_groups: dict = {}  # Megatron's groups of the sizes done: ranks -> this rank's (None: not in it)
     for k in dynamic_cp_sizes(len(rank_lists[0])):
         # Megatron's own group of this size is reused (Note [communicators] in groups.py);
         # size 1 is its static CP group of one rank.
         cp_group = parallel_state.get_context_parallel_group() if k == 1 else \
             parallel_state.get_hybrid_data_context_parallel_groups(group_size=k)
         team = (team_sizes or {}).get(k) or team_size_for(k, config.team_size)
-        groups = new_startrail_groups(sub_groups(rank_lists, k), config=dataclasses.replace(config, team_size=team),
-                                      timeout=timeout, create_group=create_group, cp_group=cp_group)
+        cp_ranks = sub_groups(rank_lists, k)
+        groups = new_startrail_groups(cp_ranks, config=dataclasses.replace(config, team_size=team), timeout=timeout,
+                                      create_group=create_group, cp_group=cp_group,
+                                      existing_groups=megatron_groups if reuse_megatron_groups else None)
+        rank = dist.get_rank()
+        megatron_groups.update((tuple(ranks), cp_group if rank in ranks else None) for ranks in cp_ranks)
         groups.documents_cache = result.documents_cache
         result.by_size[k] = groups
     install_dynamic_cp_schedule({k: g.team_size for k, g in result.by_size.items()})
