@@ -46,7 +46,7 @@ from .kernels import check_kernel, kernel_for
 from .initial_send import PieceTransfer
 from .layout import normalize_window
 from .schedule import rotate
-from .sinks import add_sink_, check_sink, local_sink, sink_grad
+from .sinks import check_sink, local_sink, sink_grad
 from .team import gather_team_and_send, team_segments
 from .timeline import Timeline
 from .transfer import TRANSFERS, LaneSplit, sub_ring_lanes
@@ -104,9 +104,7 @@ def _team_merge(comm, groups, partials: list[torch.Tensor], dtype, sink=None):
         parts = comm.all_to_all(parts, groups.team_group, c, op="team_merge", wait=False)
         part_lse = comm.all_to_all(part_lse, groups.team_group, c, op="team_merge", wait=False)
         out, lse = blocks.merge_partials(parts.wait(), part_lse.wait())
-    if sink is not None:  # after the last merge, before the cast: in the accumulator dtype
-        add_sink_(out, lse, sink)
-    return blocks.finished(out, lse, dtype)  # [n, b, h, dv], [n, b, h]
+    return blocks.finished(out, lse, dtype, sink)  # [n, b, h, dv], [n, b, h]; the sinks after the last merge
 
 
 def regathers_for_free(groups: StarTrailGroups) -> bool:

@@ -28,6 +28,7 @@ import torch
 from .kernels import BlockKernel
 from .layout import KernelCall, Segment
 from .microbatch import device_calls
+from .sinks import add_sink_
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -48,9 +49,14 @@ def new_partials(q: torch.Tensor, dv: int) -> tuple[torch.Tensor, torch.Tensor]:
     return q.new_zeros((b, h, rows, dv), dtype=acc), q.new_full((b, h, rows), float("-inf"), dtype=acc)
 
 
-def finished(acc_out: torch.Tensor, acc_lse: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def finished(acc_out: torch.Tensor, acc_lse: torch.Tensor, dtype: torch.dtype,
+             sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Merged accumulators as the attention's result: ``out [Sq, b, h, dv]`` in ``dtype`` and
-    ``lse [Sq, b, h]`` (accumulator dtype; sequence first, as the backward takes them)."""
+    ``lse [Sq, b, h]`` (accumulator dtype; sequence first, as the backward takes them). With
+    attention sinks ``sink [h]``, each row's final normalisation first, in the accumulator
+    dtype (:func:`~megatron_startrail.sinks.add_sink_`; in place on the accumulators)."""
+    if sink is not None:
+        add_sink_(acc_out, acc_lse, sink)
     return acc_out.permute(2, 0, 1, 3).to(dtype).contiguous(), acc_lse.permute(2, 0, 1).contiguous()
 
 

@@ -36,7 +36,7 @@ import torch
 from . import blocks
 from .comm import Communicator
 from .layout import Documents, Segment, coalesce, cp_rank_segments, normalize_window, segment_rows
-from .sinks import add_sink_, sink_grad
+from .sinks import sink_grad
 
 
 @dataclass(frozen=True)
@@ -135,9 +135,7 @@ class _HaloAttention(torch.autograd.Function):
         q_segments, k_segments = cp_rank_segments(docs, plan.rank), plan.key_segments(docs)
         blocks.forward_step(kernel, q, kv_all, q_segments, k_segments, acc_out, acc_lse, causal=causal,
                             scale=scale, window=window)
-        if sink is not None:  # attention sinks (sinks.py): the rows' final normalisation
-            add_sink_(acc_out, acc_lse, sink)
-        out, lse = blocks.finished(acc_out, acc_lse, q.dtype)  # [n, b, h, dv], [n, b, h]
+        out, lse = blocks.finished(acc_out, acc_lse, q.dtype, sink)  # [n, b, h, dv], [n, b, h]
         dqk = q.shape[-1]
         ctx.save_for_backward(q, kv_all, out, lse)
         ctx.meta = (groups, docs, plan, window, causal, scale, kernel, bwd_stats, timeline, dqk)
