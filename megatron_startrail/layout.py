@@ -71,6 +71,8 @@ import bisect
 import functools
 from dataclasses import dataclass
 
+from .device_copy import pack_on_device
+
 
 def zigzag_chunks(cp_rank: int, cp_size: int) -> tuple[int, int]:
     """Global chunk indices held by CP rank ``cp_rank`` (chunk count ``2 * cp_size``)."""
@@ -440,8 +442,6 @@ class KernelCall:
         anew at every call: for a call used on its own (tests, the GPU kit). The attention's
         calls come bound to their micro-batch's metadata, made in one copy
         (:func:`megatron_startrail.microbatch.device_calls`), and read it from there."""
-        from .microbatch import pack_on_device  # noqa: PLC0415 - layout.py is pure Python otherwise
-
         return pack_on_device([(self, what, batch)], device)[(self, what, batch)]
 
 

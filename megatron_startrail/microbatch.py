@@ -26,6 +26,7 @@ from typing import Callable, Hashable, Sequence
 
 import torch
 
+from .device_copy import pack_on_device
 from .layout import docs_of, plan_calls, rank_runs, segments_of_runs
 
 
@@ -94,32 +95,6 @@ def _drop_entry(entries_ref, key, dead_ref) -> None:
 _REQUESTS_PER_SHAPE = 1024  # distinct (q rows, k rows, mask) requests kept per (CP size, tokens)
 _SHAPES = 64  # (CP size, tokens) kept: runs whose sequence length varies (SFT) learn each anew
 _REQUESTS: OrderedDict[tuple[int, int], OrderedDict] = OrderedDict()
-
-
-def pack_on_device(items, device) -> dict:
-    """``{(call, what, batch): tensor}`` for ``items`` (``KernelCall.values``: int64 indices,
-    int32 ``cu_seqlens``), all views of ONE device tensor made by one copy (non-blocking and
-    from pinned memory when the device is CUDA)."""
-    items = list(dict.fromkeys(items))
-    wide = [i for i in items if not i[1].startswith("cu_")]  # int64: the gather indices
-    narrow = [i for i in items if i[1].startswith("cu_")]  # int32: cu_seqlens
-    wide_values = [x for call, what, batch in wide for x in call.values(what, batch)]
-    narrow_values = [x for call, what, batch in narrow for x in call.values(what, batch)]
-    host = torch.cat([torch.tensor(wide_values, dtype=torch.int64).view(torch.int32),
-                      torch.tensor(narrow_values, dtype=torch.int32)])  # [2 * n64 + n32] int32
-    device = torch.device(device)
-    if device.type == "cuda" and torch.cuda.is_available():
-        host = host.pin_memory()  # a copy from pageable memory would be blocking
-    buffer = host.to(device, non_blocking=True)
-    out, wide_buffer, offset = {}, buffer[: 2 * len(wide_values)].view(torch.int64), 0
-    for item in wide:
-        n = len(item[0].values(item[1], item[2]))
-        out[item], offset = wide_buffer[offset : offset + n], offset + n
-    offset = 2 * len(wide_values)
-    for item in narrow:
-        n = len(item[0].values(item[1], item[2]))
-        out[item], offset = buffer[offset : offset + n], offset + n
-    return out
 
 
 def _items(calls, batch: int):

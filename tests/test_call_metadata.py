@@ -16,7 +16,8 @@ import torch
 from megatron_startrail import microbatch
 from megatron_startrail.layout import (KernelCall, cp_rank_segments, docs_of, documents_from_cu_seqlens, plan_calls,
                                        rank_runs, rows_of_cp_ranks, segment_rows, segments_of_runs, split_segments)
-from megatron_startrail.microbatch import BoundCall, MicroBatchCache, device_calls, pack_on_device
+from megatron_startrail.device_copy import pack_on_device
+from megatron_startrail.microbatch import BoundCall, MicroBatchCache, device_calls
 from tests.packed_cases import make_documents
 
 CP, CHUNK = 4, 12
