@@ -183,3 +183,25 @@ def test_every_setting_is_exact_on_the_layouts_megatron_hands_it():
     failures = sorted({f for fails, _ in results for f in fails})
     assert not failures, "\n".join(failures[:40])
     assert all(n == len(SETTINGS) * (len(LAYOUTS) + 1) for _, n in results)
+
+
+def table_worker(rank, world_size):
+    """Worst error over out, dq, dk, dv per setting and run (for the table below)."""
+    groups, rows = {}, []
+    for index, s in enumerate(SETTINGS):
+        key = (s.team, s.ulysses, s.rotation)
+        if key not in groups:
+            groups[key] = new_startrail_groups(team_size=s.team, ulysses_size=s.ulysses, backward_rotation=s.rotation)
+        runs = [(layout, torch.float64) for layout in LAYOUTS] + [("fused", torch.float32)]
+        rows.append([max(run_setting(groups[key], rank, s, layout, dtype, seed=500 + index).values())
+                     for layout, dtype in runs])
+    return rows
+
+
+if __name__ == "__main__":  # python -m tests.test_layout_fuzz: the table of the closing note
+    per_rank = run_ranks(table_worker, WORLD, timeout=600)
+    print("| setting | " + " | ".join(f"float64 {layout}" for layout in LAYOUTS) + " | float32 fused |")
+    print("|---|" + "---|" * (len(LAYOUTS) + 1))
+    for index, s in enumerate(SETTINGS):
+        worst = [max(rows[index][j] for rows in per_rank) for j in range(len(LAYOUTS) + 1)]
+        print(f"| {s.name} | " + " | ".join(f"{e:.1e}" for e in worst) + " |")
