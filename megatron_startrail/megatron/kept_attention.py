@@ -5,43 +5,61 @@ Note [attention kept through recomputation]
 -------------------------------------------
 With ``--recompute-granularity full`` (uniform or block) or ``selective`` with ``core_attn``,
 Megatron's ``tensor_parallel.checkpoint`` runs a layer (or its core attention) twice: once
-without autograd in the forward, and again with it in the backward, before back-propagating
-through the recomputed graph. A plain core attention would run its whole forward twice,
-every team all-gather, initial send and sub-ring hop included (measured: 1.50x the P2P
-bytes of the run without recomputation at TP1 x CP4 C2).
+without autograd in the forward (``CheckpointFunction.forward``), and again with it in the
+backward (``CheckpointFunction.backward``), before back-propagating through the recomputed
+graph. A plain core attention would run its whole forward twice, every team all-gather,
+initial send and sub-ring hop included (measured: 1.50x the P2P bytes of the run without
+recomputation at TP1 x CP4 C2).
 
-Instead, per core-attention module (so per layer and per virtual pipeline stage):
+Instead the attention's graph is kept, and it is kept **on the checkpoint that made it**:
 
-    first pass    (Megatron's checkpoint forward: ``is_checkpointing()``, grad disabled)
-                  the attention runs with autograd on detached q, k, v, so its graph --
-                  what its backward needs, as in a run without recomputation -- is kept,
-                  in order; the layer gets the output, detached.
-    recompute     (the checkpoint's backward: ``is_checkpointing()``, grad enabled)
-                  the oldest kept graph is taken (:class:`_KeptOutput`): its output is
-                  returned without any communication, and the backward of the recomputed
-                  graph runs the kept graph's backward, unchanged (its gradients for q,
-                  k, v go on to the recomputed QKV projection; the sinks' parameter
-                  gradient accumulates as usual).
+    first pass    (``is_checkpointing()``, grad disabled) the innermost ``CheckpointFunction``
+                  being run is found on the call stack: its ``ctx``, the autograd node whose
+                  backward will recompute this call. The attention runs with autograd on dense,
+                  detached q, k, v behind a gate (:class:`_InputGate`: one 0-element leaf, the
+                  gradients for q, k, v caught in a box), and its output and graph are stored on
+                  that ``ctx``, under this module, in call order; the layer gets the output,
+                  detached.
+    recompute     (``is_checkpointing()``, grad enabled: inside ``CheckpointFunction.backward``)
+                  the node being run (``torch._C._current_autograd_node()``) is that same
+                  ``ctx``: the graph kept on it for this module, n-th call for the n-th call,
+                  is taken (:class:`_KeptOutput`). Its output is returned without any
+                  communication, and the backward of the recomputed graph runs the kept
+                  graph's backward, unchanged (the gate hands dq, dk, dv on to the recomputed
+                  QKV projection; the sinks' parameter gradient accumulates as usual).
 
-Oldest first is the right pairing: one module sees its micro-batches' backwards in the order
-of their forwards, without pipelining, with 1F1B and with interleaved stages (one module per
-virtual stage). Evaluation (``module.training`` False: Megatron's ``evaluate``) keeps
-nothing. What is kept per layer is what the attention keeps without recomputation
-(``accounting.kept_for_backward_bytes``); recomputing it (``--startrail-recompute-attention``)
-keeps nothing of the attention between the two passes, for its communication again.
-Transformer Engine's own checkpoint (Megatron takes it under FP8/FP4) does not flag the
-first pass: there the attention is recomputed, communication included, as before.
+So a kept graph is found by identity -- the checkpoint (one micro-batch's one checkpointed
+region: one layer, one MTP depth, one virtual stage) and this module's call within it, which
+the recomputation replays in the same order -- never by the order of backwards. A module called
+several times per forward (a repeated MTP layer, a shared module) takes each call's own graph.
+Its lifetime is the checkpoint's: a forward with no backward (``forward_only`` in train mode, an
+abandoned step, an exception) drops the checkpoint's node and the kept graph with it; nothing
+waits for a later step to take. Evaluation (``module.training`` False) keeps nothing.
+
+What is kept per layer is what the attention keeps without recomputation
+(``accounting.kept_for_backward_bytes``) plus nothing: the gate holds no tensor, and strided
+q, k, v (views of Megatron's fused QKV) are made dense before the first pass, so the fused
+QKV output is not held through them. Recomputing the attention instead
+(``--startrail-recompute-attention``) keeps nothing between the two passes, for its
+communication again. Where no checkpoint is found -- Transformer Engine's checkpoint (Megatron
+takes it under FP8/FP4) does not set Megatron's flag, another checkpoint implementation -- the
+attention is recomputed, communication included, with a one-time warning: slower, never wrong.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
-from collections import deque
+import weakref
 from typing import Callable
 
 import torch
-from megatron.core.tensor_parallel.random import is_checkpointing
+from megatron.core.tensor_parallel.random import CheckpointFunction, is_checkpointing
+
+# The code object of Megatron's checkpoint forward: its frame holds the checkpoint's ctx.
+_CHECKPOINT_FORWARD = CheckpointFunction.forward.__code__
+_KEPT_ATTRIBUTE = "_startrail_kept"  # on a CheckpointFunction ctx: {KeptAttention: [_KeptGraph, ...]}
 
 
 @functools.cache
@@ -49,65 +67,121 @@ def _say_once(message: str) -> None:
     warnings.warn(message, stacklevel=3)
 
 
+def _checkpoint_running_forward():
+    """The ctx of the innermost ``CheckpointFunction.forward`` on this thread's stack, or None."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is _CHECKPOINT_FORWARD:
+            return frame.f_locals.get("ctx")
+        frame = frame.f_back
+    return None
+
+
+class _InputGrads:
+    """The gradients the kept graph's backward gives its q, k, v (filled by :class:`_InputGate`)."""
+
+    __slots__ = ("grads",)
+
+    def __init__(self) -> None:
+        self.grads = (None, None, None)
+
+
+class _InputGate(torch.autograd.Function):
+    """q, k, v into the kept graph: differentiable through a 0-element ``anchor`` leaf, so the
+    graph holds no leaf tensor of their size; the backward puts dq, dk, dv into the box."""
+
+    @staticmethod
+    def forward(ctx, anchor, box, q, k, v):
+        ctx.box = box
+        return q.detach(), k.detach(), v.detach()
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        ctx.box.grads = (dq, dk, dv)
+        ctx.box = None
+        return None, None, None, None, None
+
+
+class _KeptGraph:
+    """One first pass's attention: its output (with its graph) and the box of its input gradients."""
+
+    __slots__ = ("out", "box", "q_shape", "__weakref__")
+
+    def __init__(self, out, box, q_shape) -> None:
+        self.out, self.box, self.q_shape = out, box, q_shape
+
+
 class _KeptOutput(torch.autograd.Function):
     """Recompute pass: the kept output for the recomputed ``q, k, v``; backward through the kept graph."""
 
     @staticmethod
-    def forward(ctx, q, k, v, kept):
-        out, leaves = kept.pop()
-        ctx.kept = (out, leaves)
-        return out.detach()  # the first pass's values, no new tensor
+    def forward(ctx, q, k, v, kept: _KeptGraph):
+        ctx.kept = kept
+        return kept.out.detach()  # the first pass's values, no new tensor
 
     @staticmethod
     def backward(ctx, dout):
-        out, leaves = ctx.kept
-        ctx.kept = None
-        # The kept graph's own backward (StarTrail's, with its communication), into the leaves
-        # that stood for q, k, v in the first pass (and into the sinks' parameter, if learnable).
-        torch.autograd.backward(out, dout)
-        return leaves[0].grad, leaves[1].grad, leaves[2].grad, None
-
-
-class _Holder:
-    """One kept graph, handed to :class:`_KeptOutput` as a non-tensor argument."""
-
-    def __init__(self, out, leaves):
-        self._item = (out, leaves)
-
-    def pop(self):
-        item, self._item = self._item, None
-        return item
+        kept, ctx.kept = ctx.kept, None
+        # The kept graph's own backward (StarTrail's, with its communication), through the gate
+        # (dq, dk, dv into the box) and into the sinks' parameter, if learnable.
+        torch.autograd.backward(kept.out, dout)
+        kept.out = None
+        return (*kept.box.grads, None)
 
 
 class KeptAttention:
-    """The attention graphs that one core-attention module's checkpointed first passes kept,
-    oldest first (Note [attention kept through recomputation])."""
+    """One core-attention module's attention kept through Megatron's recomputation (Note
+    [attention kept through recomputation]). It holds no graph itself: those live on the
+    checkpoints that made them; ``len()`` counts the ones still alive (weakly)."""
 
     def __init__(self) -> None:
-        self._kept: deque = deque()
+        self._alive: weakref.WeakSet = weakref.WeakSet()
 
     def __len__(self) -> int:
-        return len(self._kept)
+        return len(self._alive)
 
     def run(self, attend: Callable, q, k, v, *, training: bool, enabled: bool = True):
         """``attend(q, k, v)``, kept through Megatron's recomputation when ``enabled``."""
         if not (enabled and training and is_checkpointing()):
             return attend(q, k, v)
-        if not torch.is_grad_enabled():  # the checkpoint's first pass
-            leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-            with torch.enable_grad():
-                out = attend(*leaves)
-            self._kept.append((out, leaves))
-            return out.detach()
-        if not self._kept:  # a recompute without a kept first pass (e.g. Transformer Engine's checkpoint)
+        if not torch.is_grad_enabled():  # the checkpoint's first pass, inside CheckpointFunction.forward
+            checkpoint = _checkpoint_running_forward()
+            if checkpoint is None:  # not Megatron's CheckpointFunction: nothing could find it again
+                return attend(q, k, v)
+            return self._keep(checkpoint, attend, q, k, v)
+        # The recomputation, inside CheckpointFunction.backward: the node being run is that checkpoint.
+        kept = self._take(torch._C._current_autograd_node())
+        if kept is None:
             _say_once("StarTrail: the attention is recomputed with its communication: its first pass was not "
-                      "under Megatron's checkpoint (Transformer Engine's checkpoint, taken under FP8/FP4, does not "
-                      "mark it); see docs/memory.md, 'Recomputation'")
+                      "kept under Megatron's checkpoint (Transformer Engine's checkpoint, taken under FP8/FP4, "
+                      "does not mark it); see docs/memory.md, 'Recomputation'")
             return attend(q, k, v)
-        out, leaves = self._kept.popleft()
-        if leaves[0].shape != q.shape:
+        if kept.q_shape != q.shape:
             raise RuntimeError(
-                f"the kept attention of a checkpointed first pass has shape {tuple(out.shape)} (q "
-                f"{tuple(leaves[0].shape)}), but its recomputation has q {tuple(q.shape)}: the passes are out of "
-                "order; set --startrail-recompute-attention to recompute the attention instead")
-        return _KeptOutput.apply(q, k, v, _Holder(out, leaves))
+                f"the kept attention of this checkpoint's first pass had q {tuple(kept.q_shape)}, its "
+                f"recomputation has q {tuple(q.shape)}: the checkpointed function does not replay its calls; "
+                "set --startrail-recompute-attention to recompute the attention instead")
+        return _KeptOutput.apply(q, k, v, kept)
+
+    def _keep(self, checkpoint, attend, q, k, v):
+        box = _InputGrads()
+        # Detached: under selective recomputation q, k, v are the checkpoint's inputs, still on the
+        # layer's graph (RoPE's nodes); the kept graph must not reach into it. Dense copies of
+        # strided inputs (Megatron's views of its fused QKV): what the graph keeps of them is then
+        # their own bytes, not the whole fused projection output.
+        q, k, v = (t.detach() if t.is_contiguous() else t.detach().contiguous() for t in (q, k, v))
+        anchor = torch.empty(0, device=q.device, requires_grad=True)
+        with torch.enable_grad():
+            out = attend(*_InputGate.apply(anchor, box, q, k, v))
+        kept = _KeptGraph(out, box, q.shape)
+        per_module = getattr(checkpoint, _KEPT_ATTRIBUTE, None)
+        if per_module is None:
+            per_module = {}
+            setattr(checkpoint, _KEPT_ATTRIBUTE, per_module)
+        per_module.setdefault(self, []).append(kept)
+        self._alive.add(kept)
+        return out.detach()
+
+    def _take(self, node) -> _KeptGraph | None:
+        calls = getattr(node, _KEPT_ATTRIBUTE, {}).get(self) if node is not None else None
+        return calls.pop(0) if calls else None

@@ -12,6 +12,7 @@ stays kept after the run.
 """
 
 import math
+import warnings
 
 import pytest
 
@@ -123,30 +124,40 @@ def test_interleaved_stages_with_full_and_selective_recomputation_and_evaluation
 
 
 def kept_bytes_worker(rank, world_size):
-    """What one layer keeps through recomputation, measured as the storages its first pass
-    saves for the backward, for the settings that keep different tensors."""
+    """What one layer keeps through recomputation, measured as the storages its first pass (inside
+    Megatron's checkpoint) saves for the backward, for the settings that keep different tensors."""
     import torch  # noqa: PLC0415
+    from megatron.core.tensor_parallel import random as megatron_random  # noqa: PLC0415
 
     from benchmarks.memory import saved_bytes  # noqa: PLC0415
     from megatron_startrail import new_startrail_groups, startrail_attn  # noqa: PLC0415
     from megatron_startrail.accounting import AttentionShape, kept_for_backward_bytes  # noqa: PLC0415
     from megatron_startrail.megatron import kept_attention  # noqa: PLC0415
 
-    kept_attention.is_checkpointing = lambda: True  # inside Megatron's checkpoint (this forked rank only)
+    # Megatron's checkpoint saves the CUDA RNG too: the CPU one only (this forked rank).
+    megatron_random._get_cuda_rng_state = lambda *a, **k: None
+    megatron_random._set_cuda_rng_state = lambda *a, **k: None
     n, heads, dim = 64, 4, 16
     q, k, v = (torch.randn(n, 1, heads, dim, generator=torch.Generator().manual_seed(rank + i)) for i in range(3))
+    q.requires_grad_(True)
     rows = []
     for team, regather, rotation in ((1, False, "kv"), (2, False, "kv"), (2, False, "q"), (2, True, "q")):
         groups = new_startrail_groups(team_size=team, backward_rotation=rotation, regather_in_backward=regather)
         for recompute in (False, True):
             kept = kept_attention.KeptAttention()
-            with torch.no_grad():  # the checkpoint's first pass
-                _, measured = saved_bytes(lambda: kept.run(lambda *t: startrail_attn(*t, groups), q, k, v,  # noqa: B023
-                                                           training=True, enabled=not recompute))  # noqa: B023
+
+            def layer(x):  # q computed inside the checkpoint, as from a QKV projection
+                return kept.run(lambda *t: startrail_attn(*t, groups), x * 1, k, v,  # noqa: B023
+                                training=True, enabled=not recompute)  # noqa: B023
+
+            # The checkpoint's first pass; its own saved input (q) is the caller's, left out.
+            out, measured = saved_bytes(lambda: megatron_random.checkpoint(layer, False, q), exclude=(q,))  # noqa: B023
             model = 0 if recompute else kept_for_backward_bytes(
                 AttentionShape(n, 1, heads, heads, dim, 4), ulysses_size=1, team_size=team,
                 regather_in_backward=regather, rotation=rotation)
             rows.append(((team, regather, rotation, recompute), measured, model, len(kept)))
+            out.sum().backward()  # the recomputation takes the kept graph
+            assert len(kept) == 0
     return rows
 
 
@@ -178,11 +189,14 @@ def test_the_planner_counts_the_layers_that_keep_their_attention(granularity, me
 
 
 def test_a_recomputation_without_a_kept_first_pass_recomputes_and_says_so(monkeypatch):
+    # Inside a checkpoint's backward whose forward kept nothing (Transformer Engine's checkpoint
+    # does not mark its first pass): the node being run holds no kept graph.
     import torch  # noqa: PLC0415
 
     from megatron_startrail.megatron import kept_attention  # noqa: PLC0415
 
     monkeypatch.setattr(kept_attention, "is_checkpointing", lambda: True)
+    monkeypatch.setattr(kept_attention, "_say_once", lambda message: warnings.warn(message, stacklevel=2))
     calls = []
     q = torch.randn(4, 1, 2, 8, requires_grad=True)
     with pytest.warns(UserWarning, match="recomputed with its communication"):
