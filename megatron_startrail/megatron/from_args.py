@@ -33,6 +33,7 @@ from ..groups import StarTrailGroups
 from .dynamic_cp import DynamicCPGroups, initialize_dynamic_startrail
 from .hybrid_specs import check_startrail_hybrid_pattern, to_startrail_hybrid_spec
 from .layer_specs import to_startrail_spec
+from .mtp_roll import install_startrail_mtp_roll
 from .parallel_state import initialize_startrail
 
 # (Megatron's CP group, the options, the groups built for them). Megatron keeps its process
@@ -74,6 +75,8 @@ def startrail_groups_from_args(args) -> StarTrailGroups | DynamicCPGroups:
     dynamic = getattr(args, "hybrid_context_parallel", False)  # a set of groups per CP size (dynamic_cp.py)
     if dynamic:
         options["team_sizes"] = getattr(args, "startrail_dynamic_team_sizes", None)
+    if getattr(args, "mtp_num_layers", None):  # MTP trains as at CP = 1 (mtp_roll.py)
+        install_startrail_mtp_roll()
     if _built is None or _built[0] is not cp_group or _built[1] != options:
         groups = (initialize_dynamic_startrail if dynamic else initialize_startrail)(**options)
         _built = (cp_group, options, groups)

@@ -47,14 +47,19 @@ def sample_layout_positions(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int
         raise ValueError(
             f"packed sample of {total} tokens is not divisible by 2 * --context-parallel-size = {2 * cp_size}"
         )
+    held = sample_layout_rows(total, cp_size, cp_rank, cu_seqlens.device)
+    document = torch.searchsorted(cu_seqlens[1:], held, right=True)  # index of the document holding each token
+    return held - cu_seqlens[document]
+
+
+def sample_layout_rows(total: int, cp_size: int, cp_rank: int, device) -> torch.Tensor:
+    """int64 ``[total / CP]``: the sample rows CP rank ``cp_rank`` holds in the sample layout,
+    chunk ``cp_rank`` then chunk ``2*CP-1-cp_rank`` of ``2*CP`` (built on ``device``, no copy)."""
     chunk = total // (2 * cp_size)
-    device = cu_seqlens.device
-    held = torch.cat([
+    return torch.cat([
         torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device),
         torch.arange((2 * cp_size - 1 - cp_rank) * chunk, (2 * cp_size - cp_rank) * chunk, device=device),
     ])
-    document = torch.searchsorted(cu_seqlens[1:], held, right=True)  # index of the document holding each token
-    return held - cu_seqlens[document]
 
 
 def document_layout_positions(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int,

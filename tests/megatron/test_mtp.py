@@ -4,7 +4,8 @@ Megatron builds the MTP layers from their own spec (``get_gpt_mtp_block_spec``),
 the decoder's: ``to_startrail_spec`` (and so ``startrail_spec_from_args``) takes that block spec
 too and gives the transformer layer inside each MTP layer StarTrail core attention. The MTP
 loss is Megatron's own (``process_mtp_loss``: labels and loss mask rolled across the CP ranks'
-zigzag chunks by ``roll_tensor``). examples/pretrain_gpt.py at TP2 x CP4 with StarTrail C = 2
+zigzag chunks by ``roll_tensor``), with the package's roll (megatron/mtp_roll.py): the CP
+group's target count, and packed documents in StarTrail's sample layout. examples/pretrain_gpt.py at TP2 x CP4 with StarTrail C = 2
 logs the lm and MTP losses of the same command at CP 1 and has its first-step gradients.
 """
 
@@ -22,7 +23,7 @@ from megatron.core.transformer.multi_token_prediction import (
 from megatron_startrail.megatron.core_attention import StarTrailCoreAttention
 from megatron_startrail.megatron.layer_specs import to_startrail_spec
 from megatron_startrail.megatron.packed_rope import PackedRopeSelfAttention
-from tests.megatron.test_pretrain_example import COMMON
+from tests.megatron.test_pretrain_example import COMMON, MLA
 from tests.megatron.utils import assert_first_step_grads_match, record_first_step_grads
 from tests.multiproc import run_ranks
 
@@ -49,39 +50,9 @@ def test_the_mtp_block_spec_gets_startrail_core_attention():
         megatron_layer.submodules.self_attention.submodules.core_attention
 
 
-def count_mtp_tokens_over_the_cp_group():
-    """In a forked rank: Megatron's MTP loss with the token count of the whole sequence.
-
-    megatron-core 0.19.2 divides each CP rank's MTP loss by that rank's own count of rolled
-    targets (``roll_tensor``'s sum of the rolled loss mask), then DDP averages over DP x CP:
-    unless every CP rank keeps as many targets, that weights the ranks' tokens unequally,
-    whatever the attention. Here (no loss masking) the sequence's last target, rolled out,
-    is on the CP rank that holds the last zigzag chunk (CP rank 0): 63 targets there, 64 on
-    the others, against 255 in one sequence at CP 1. (Megatron-LM PR #7498, open, reduces the
-    counts over the CP group.) Returning the CP group's mean count instead makes each rank's
-    share sum / N over the whole sequence, as at CP 1, so that the comparison below measures
-    StarTrail (its attention, the zigzag layout, Megatron's roll across CP ranks) alone."""
-    import torch  # noqa: PLC0415
-    from megatron.core.transformer import multi_token_prediction as mtp  # noqa: PLC0415
-
-    roll_tensor = mtp.roll_tensor
-
-    def rolled_with_the_cp_groups_count(tensor, shifts=-1, dims=-1, cp_group=None, packed_seq_params=None):
-        rolled, count = roll_tensor(tensor, shifts, dims, cp_group, packed_seq_params)
-        if count is not None and cp_group is not None and cp_group.size() > 1:
-            count = count.clone()
-            torch.distributed.all_reduce(count, group=cp_group)
-            count = count / cp_group.size()
-        return rolled, count
-
-    mtp.roll_tensor = rolled_with_the_cp_groups_count
-
-
-def mtp_worker(rank, world_size, argv, global_count=True):
+def mtp_worker(rank, world_size, argv):
     """The logged (lm loss, mtp_1 loss) per iteration, and on rank 0 the first-step gradients
     and the class of each MTP layer's core attention."""
-    if global_count:
-        count_mtp_tokens_over_the_cp_group()
     recorded = record_first_step_grads()
     from megatron.training import training  # noqa: PLC0415
 
@@ -99,9 +70,8 @@ def mtp_worker(rank, world_size, argv, global_count=True):
     return losses, (recorded.get("grads"), recorded.get("mtp_attention")) if rank == 0 else None
 
 
-def mtp_run(world_size, *flags, global_count=True):
-    logged = run_ranks(mtp_worker, world_size, args=([*COMMON, "--mtp-num-layers", "1", *flags], global_count),
-                       timeout=300)
+def mtp_run(world_size, *flags):
+    logged = run_ranks(mtp_worker, world_size, args=([*COMMON, "--mtp-num-layers", "1", *flags],), timeout=300)
     losses = logged[-1][0]  # megatron.training logs on the last rank
     assert [i for i, _, _ in losses] == [1, 2, 3, 4]
     grads, attention = logged[0][1]
@@ -126,12 +96,34 @@ def test_mtp_with_startrail_cp4_logs_the_losses_and_gradients_of_cp1():
     assert want[-1][1] < want[0][1]  # it learns to predict the token after next
 
 
-def test_mtp_with_megatrons_per_rank_token_count_is_near_cp1():
-    """Megatron's MTP loss as it is (each CP rank divides by its own count): the example trains,
-    off CP 1 by the count imbalance only (measured: MTP loss 2.5e-5, first-step grads 4.1e-3
-    relative at worst, on module.mtp.layers.0.final_layernorm.weight)."""
-    got, grads, _ = mtp_run(8, *TP2_CP4_STARTRAIL, global_count=False)
-    want, ref_grads, _ = mtp_run(2, *TP2_CP1, global_count=False)
+def test_mtp_on_packed_documents_with_startrail_cp4_logs_the_losses_and_gradients_of_cp1(tmp_path):
+    # StarTrail's packed sample layout (--dataloader-inter-document-masking): the MTP roll inside
+    # each document follows it (mtp_roll.py). On 9c6fece: 1.2e-1 at CP2; IndexError at CP4.
+    from tests.megatron.example import pretrain_gpt  # noqa: PLC0415
+
+    prefix = str(tmp_path / "docs")
+    pretrain_gpt.make_indexed_dataset.write_indexed_dataset(pretrain_gpt.make_indexed_dataset.short_documents(),
+                                                           prefix)
+    # MLA: its CP = 1 core attention (LocalMLACoreAttention) takes packed documents, Megatron's local one does not.
+    packed = ["--data-path", prefix, "--split", "100,0,0", "--dataloader-inter-document-masking", *MLA,
+              "--no-rope-fusion"]
+    got, grads, _ = mtp_run(8, *TP2_CP4_STARTRAIL, *packed)
+    want, ref_grads, _ = mtp_run(2, *TP2_CP1, *packed)
     for (lm, mtp), (lm_ref, mtp_ref) in zip(got, want):
-        assert abs(lm - lm_ref) <= 1e-5 * lm_ref and abs(mtp - mtp_ref) <= 1e-4 * mtp_ref, (got, want)
-    assert_first_step_grads_match(grads, ref_grads, "example MTP TP2 CP4, per-rank counts", tol=2e-2)
+        assert abs(lm - lm_ref) <= 2e-6 * lm_ref and abs(mtp - mtp_ref) <= 2e-6 * mtp_ref, (got, want)
+    assert_first_step_grads_match(grads, ref_grads, "example MTP TP2 CP4, packed documents")
+
+
+def test_the_mtp_roll_is_installed_by_the_groups_and_keeps_megatrons_for_cp1():
+    from megatron.core.transformer import multi_token_prediction as mtp  # noqa: PLC0415
+
+    from megatron_startrail.megatron.mtp_roll import install_startrail_mtp_roll, startrail_roll_tensor  # noqa: PLC0415
+
+    install_startrail_mtp_roll()
+    install_startrail_mtp_roll()  # idempotent
+    assert mtp.roll_tensor is startrail_roll_tensor
+    import torch  # noqa: PLC0415
+
+    x = torch.arange(1.0, 9.0).view(1, 8)
+    rolled, count = mtp.roll_tensor(x, -1, -1, None, None)  # CP 1: Megatron's own
+    assert rolled.tolist() == [[2, 3, 4, 5, 6, 7, 8, 0]] and count.item() == 35
