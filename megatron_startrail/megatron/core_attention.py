@@ -237,6 +237,23 @@ class LocalMLACoreAttention(MegatronModule):
             raise ValueError("LocalMLACoreAttention (CP = 1, MLA on CPU) has no attention sinks: use --softmax-type "
                              "vanilla, or --context-parallel-algo startrail")
         self.softmax_scale = softmax_scale if softmax_scale is not None else (k_channels or config.kv_channels) ** -0.5
+        # --window-size / --window-attn-skip-freq: this layer's window by Megatron's rule, as
+        # StarTrailCoreAttention and Megatron's DotProductAttention apply it (None: full layer).
+        self.window_size = tuple(config.window_size) if is_layer_window_attention(
+            config.window_size, config.window_attn_skip_freq, layer_number) else None
+
+    def _causal(self, tokens: int, device) -> torch.Tensor:
+        """``[t, t]`` bool: key j <= query i, inside this layer's window ``(left, right)`` if any."""
+        allowed = torch.ones(tokens, tokens, dtype=torch.bool, device=device).tril()
+        if self.window_size is not None:
+            left, right = self.window_size
+            row = torch.arange(tokens, device=device)
+            distance = row[:, None] - row[None, :]  # i - j
+            if left >= 0:
+                allowed &= distance <= left
+            if right >= 0:
+                allowed &= -distance <= right
+        return allowed
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -245,17 +262,17 @@ class LocalMLACoreAttention(MegatronModule):
         if packed_seq_params is None:
             # [s, b, np, hn] -> [b, np, s, hn]; causal over the whole sequence
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-            s = q.shape[-2]
-            out = _masked_attention(q, k, v, torch.ones(s, s, dtype=torch.bool, device=q.device).tril(),
-                                    self.softmax_scale)
+            out = _masked_attention(q, k, v, self._causal(q.shape[-2], q.device), self.softmax_scale)
             # [b, np, s, hv] -> [s, b, np * hv]
-            return out.permute(2, 0, 1, 3).reshape(s, out.shape[0], -1)
+            return out.permute(2, 0, 1, 3).reshape(q.shape[-2], out.shape[0], -1)
         if query.dim() != 3:
             raise ValueError("LocalMLACoreAttention takes packed documents as [t, np, hn] (THD)")
         # [t, np, hn] -> [1, np, t, hn]; causal inside each document
         q, k, v = (t.permute(1, 0, 2).unsqueeze(0) for t in (query, key, value))
-        out = _masked_attention(q, k, v, _document_mask(packed_seq_params, query.shape[0], query.device),
-                                self.softmax_scale)
+        # Inside a document the packed rows are consecutive: the window's distance is the rows'.
+        allowed = _document_mask(packed_seq_params, query.shape[0], query.device) & self._causal(query.shape[0],
+                                                                                                  query.device)
+        out = _masked_attention(q, k, v, allowed, self.softmax_scale)
         # [1, np, t, hv] -> [t, np * hv]
         return out[0].permute(1, 0, 2).reshape(query.shape[0], -1)
 

@@ -188,3 +188,19 @@ def test_resumed_run_reads_the_batches_of_an_uninterrupted_run(tmp_path):
         assert len(full[rank]) == 8 and len(set(map(str, full[rank]))) == 8
         assert resumed[rank] == full[rank][4:], rank
     assert any(len(d[2][0]) > 3 for d in full[0])  # the samples really pack several documents
+
+
+@pytest.mark.parametrize("window", [["--window-size", "24,0"], ["--window-size", "100,0"]], ids=["halo", "schedule"])
+def test_mla_with_a_sliding_window_startrail_cp4_gives_cp1s_gradients(window):
+    # The CP = 1 twin (LocalMLACoreAttention) applies the window too: without it the two runs
+    # would agree only if neither did (on 9c6fece the CP = 1 losses were the same with and
+    # without --window-size). 24 < a CP4 chunk of 32 rows: the halo exchange; 100: the schedule.
+    flags = [*MLA, *window, "--window-attn-skip-freq", "2"]  # layer 1 windowed, layer 2 full
+    reference, ref_grads = losses_and_grads(1, *flags, "--context-parallel-size", "1")
+    unwindowed, _ = losses_and_grads(1, *MLA, "--context-parallel-size", "1")
+    assert reference != unwindowed  # the CP = 1 twin's window is applied
+    got, grads = losses_and_grads(4, *flags, "--context-parallel-size", "4", "--context-parallel-algo", "startrail",
+                                  "--startrail-team-size", "2")
+    for g, want in zip(got, reference):
+        assert abs(g - want) <= 2e-6 * want, (got, reference)
+    assert_first_step_grads_match(grads, ref_grads, f"example MLA CP4 {' '.join(window)}")
