@@ -233,12 +233,21 @@ def _validate_dynamic_cp(args) -> None:
          "--hybrid-context-parallel: use --dataloader-inter-document-masking"),
         (getattr(args, "startrail_memory_limit_gb", None) is None,
          "--startrail-memory-limit-gb with --hybrid-context-parallel is not built: drop it"),
+        (not getattr(args, "mtp_num_layers", None), "--mtp-num-layers with --hybrid-context-parallel: Megatron's "
+         "MTP roll runs on the fixed CP group, not on each sub-sample's group; drop one of them"),
     ]
     for holds, message in rules:
         if not holds:
             raise ValueError(message)
     check_attention_options(args, algo)
     _resolve_tasp(args, algo)
+    capacity = dp_cp * args.max_seqlen_per_dp_cp_rank
+    if args.seq_length > capacity:  # a sample that is one document needs more than every rank holds
+        raise ValueError(
+            f"--hybrid-context-parallel: --seq-length {args.seq_length} is more than DP x CP ({dp_cp} ranks) x "
+            f"--max-seqlen-per-dp-cp-rank {args.max_seqlen_per_dp_cp_rank} = {capacity} tokens, so a sample "
+            "that is one document fits no CP group (Megatron's scheduler would stop at that batch): raise "
+            "--max-seqlen-per-dp-cp-rank or lower --seq-length")
     heads, kv_heads = args.num_attention_heads // tp, _kv_heads_per_tp_rank(args)
     from .dynamic_cp import dynamic_cp_sizes  # noqa: PLC0415 - megatron-core is loaded by now
 

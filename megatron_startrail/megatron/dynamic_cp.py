@@ -23,6 +23,7 @@ import dataclasses
 import datetime
 import functools
 
+import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.parallel_state import RankGenerator
@@ -138,8 +139,9 @@ def schedule_sizes(sample_id_groups: list[list[list[int]]]) -> dict[int, int]:
     groups. megatron-core 0.19.2's own fill can place a CP-4 sub-sample on ranks 2..5;
     Megatron would then hand ranks 2, 3 the group 0..3 and ranks 4, 5 the group 4..7, and
     the attention's collectives would never complete. :class:`.AlignedCPScheduler` (installed
-    with the groups) never does; should another scheduler, every rank computes the same
-    schedule, so every rank raises here, before the attention runs."""
+    with the groups) never does; should another scheduler, every tensor-parallel rank 0
+    computes the same schedule and raises here, before the attention runs, and the other
+    tensor-parallel ranks raise with it (``_agree_over_tensor_parallel_ranks``)."""
     sizes: dict[int, int] = {}
     for phase, sample, ranks in placements(sample_id_groups):
         k = len(ranks)
@@ -172,24 +174,75 @@ def install_dynamic_cp_schedule(team_sizes: dict[int, int]) -> None:
     except ImportError:  # megatron-core without megatron.training: the scheduler is enough
         return
 
+    _install_agreed_schedule_check()
     wrapper = training.HybridCPDataLoaderWrapper
     if getattr(wrapper, "_startrail_checked", False):
         return
 
-    class CheckedHybridCPDataLoader(wrapper):
+    class LoggedHybridCPDataLoader(wrapper):
         _startrail_checked = True
 
         def __next__(self):
             samples, sample_id_groups = super().__next__()
-            if sample_id_groups is not None:  # tensor-parallel rank 0 (the others receive by broadcast)
-                sizes = schedule_sizes(sample_id_groups)
-                if dist.get_rank() == 0:
-                    print(" dynamic CP: " + " | ".join(
-                        f"CP {k}: {n} sub-samples, team size {_logged_team_sizes.get(k, 1)}"
-                        for k, n in sizes.items()), flush=True)
+            if sample_id_groups is not None and dist.get_rank() == 0:  # tensor-parallel rank 0 reads the data
+                try:
+                    sizes = schedule_sizes(sample_id_groups)
+                except RuntimeError:
+                    return samples, sample_id_groups  # refused by every rank in the schedule, next
+                print(" dynamic CP: " + " | ".join(
+                    f"CP {k}: {n} sub-samples, team size {_logged_team_sizes.get(k, 1)}"
+                    for k, n in sizes.items()), flush=True)
             return samples, sample_id_groups
 
-    training.HybridCPDataLoaderWrapper = CheckedHybridCPDataLoader
+    training.HybridCPDataLoaderWrapper = LoggedHybridCPDataLoader
+
+
+def _agree_over_tensor_parallel_ranks(refusal: RuntimeError | None) -> None:
+    """Raise on every rank of this tensor-parallel group if tensor-parallel rank 0 refused the
+    schedule (only it reads the data): the others would otherwise wait in Megatron's
+    broadcast of the schedule until the process-group timeout. One all-reduce of one flag
+    per global batch, outside the model (Megatron's own schedule syncs there too)."""
+    group = parallel_state.get_tensor_model_parallel_group()
+    if group is None or dist.get_world_size(group) == 1:
+        if refusal is not None:
+            raise refusal
+        return
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    refused = torch.tensor([int(refusal is not None)], dtype=torch.int32, device=device)
+    dist.all_reduce(refused, op=dist.ReduceOp.MAX, group=group)
+    if refusal is not None:
+        raise refusal
+    if refused.item():
+        raise RuntimeError(
+            "hybrid CP schedule refused on tensor-parallel rank 0 of this rank's tensor-parallel group (global "
+            f"rank {dist.get_global_rank(group, 0)}; its error names the sub-sample and ranks)")
+
+
+def _install_agreed_schedule_check() -> None:
+    """Check every global batch's hybrid CP schedule (:func:`schedule_sizes`) before Megatron
+    runs it, on every rank: wraps ``schedules.hybrid_context_parallel_forward_backward``
+    (idempotent). Tensor-parallel rank 0 takes the global batch from the data iterator, checks
+    it and hands it on unchanged; the verdict is agreed over the tensor-parallel group."""
+    from megatron.core.pipeline_parallel import schedules  # noqa: PLC0415
+
+    megatron_schedule = schedules.hybrid_context_parallel_forward_backward
+    if getattr(megatron_schedule, "_startrail_checked", False):
+        return
+
+    def checked_schedule(forward_step_func, data_iterator, *args):
+        refusal = None
+        if parallel_state.get_tensor_model_parallel_rank() == 0:
+            data = next(data_iterator)  # (samples, sample_id_groups): one global batch
+            try:
+                schedule_sizes(data[1])
+            except RuntimeError as error:
+                refusal = error
+            data_iterator = iter([data])
+        _agree_over_tensor_parallel_ranks(refusal)
+        return megatron_schedule(forward_step_func, data_iterator, *args)
+
+    checked_schedule._startrail_checked = True
+    schedules.hybrid_context_parallel_forward_backward = checked_schedule
 
 
 # The example's name for it (it installs before the groups are built; a second call only

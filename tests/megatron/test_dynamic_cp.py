@@ -124,12 +124,37 @@ def test_dynamic_cp_with_startrail_gives_the_losses_and_gradients_of_cp1(documen
     assert all(c == team_size_for(k, 2) for s in schedules for k, (_, c) in s.items()), schedules
 
 
-def test_the_batch_megatrons_own_fill_misplaces_trains(documents):
-    # 256-token samples, seed 1234: megatron-core 0.19.2's fill puts sub-sample 31 of the fourth
-    # global batch on ranks 2..5 (measured with the aligned fill switched off: "phase 3:
-    # sub-sample 31 is on data x context parallel ranks [2, 3, 4, 5]"); it trains now.
-    _, schedules = run_against_cp1(documents, 1, 8, "2", extra=("--seq-length", "256"))
-    assert 4 in set().union(*schedules), schedules
+def refusing_worker(rank, world_size, argv):
+    """The example, with the third global batch's schedule refused on tensor-parallel rank 0 as
+    an unrunnable placement is (``schedule_sizes`` raising); returns the error this rank saw."""
+    from megatron_startrail.megatron import dynamic_cp  # noqa: PLC0415
+
+    checked, batches = dynamic_cp.schedule_sizes, []
+
+    def refusing(sample_id_groups):  # (rank 0's schedule log checks each batch too: counted once)
+        if not any(b is sample_id_groups for b in batches):
+            batches.append(sample_id_groups)
+        if batches[2:3] and batches[2] is sample_id_groups:
+            raise RuntimeError("hybrid CP schedule, phase 0: sub-sample 5 is on data x context parallel ranks "
+                               "[2, 3, 4, 5], not one of Megatron's aligned groups of 4")
+        return checked(sample_id_groups)
+
+    dynamic_cp.schedule_sizes = refusing
+    try:
+        run_example_rank(rank, world_size, argv)
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def test_a_refused_schedule_stops_every_tensor_parallel_rank_with_its_reason(documents):
+    # Only tensor-parallel rank 0 reads the data and checks the schedule; the other TP ranks
+    # would wait in Megatron's broadcast of the schedule until the process-group timeout.
+    grid = ["--tensor-model-parallel-size", "2", "--max-seqlen-per-dp-cp-rank", "64", "--startrail-team-size", "2"]
+    errors = run_ranks(refusing_worker, 4, args=([*COMMON, *documents, *DYNAMIC, *grid],), timeout=120)
+    assert all(e is not None and "hybrid CP schedule" in e for e in errors), errors
+    assert sum("not one of Megatron's aligned groups" in e for e in errors) == 2, errors  # TP rank 0 of each DP rank
+    assert sum("refused on tensor-parallel rank 0" in e for e in errors) == 2, errors
 
 
 def test_auto_team_size_with_dynamic_cp_trains_as_cp1(documents):
@@ -173,6 +198,11 @@ def test_auto_team_size_logs_the_planners_choice_per_cp_size(monkeypatch):
     (["--eval-iters", "2"], "--eval-iters 0"),
     (["--startrail-memory-limit-gb", "10"], "--startrail-memory-limit-gb"),
     (["--context-parallel-algo", "tasp", "--startrail-team-size", "2"], "tasp is StarTrail with --startrail-team-size 1"),
+    (["--mtp-num-layers", "1"], "--mtp-num-layers with --hybrid-context-parallel"),
+    # 8 ranks x 16 tokens < 256: a one-document sample fits no CP group (Megatron's scheduler
+    # stopped with "There should be at least one group existing, cannot reditribute").
+    (["--seq-length", "256", "--max-seqlen-per-dp-cp-rank", "16"], "--seq-length 256 is more than DP x CP (8 ranks) "
+     "x --max-seqlen-per-dp-cp-rank 16 = 128 tokens"),
 ])
 def test_what_dynamic_cp_with_startrail_cannot_run_is_refused_with_its_flag(monkeypatch, extra, message):
     from tests.megatron.test_arguments import parse  # noqa: PLC0415
