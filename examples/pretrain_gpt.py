@@ -169,6 +169,21 @@ def validate_example_args(args) -> None:
             "startrail or --transformer-impl transformer_engine; with Megatron's local attention use "
             "--reset-attention-mask --reset-position-ids (a dense per-document mask) instead"
         )
+    if getattr(args, "reset_attention_mask", False) and args.transformer_impl == "local":
+        # The dense per-document mask, twin of packed documents at CP = 1, where it cannot hold:
+        if getattr(args, "num_layers_per_virtual_pipeline_stage", None) or \
+                getattr(args, "num_virtual_stages_per_pipeline_rank", None):
+            # get_batch gives middle virtual stages no data (Megatron builds them no iterator):
+            # their layers would attend across documents.
+            raise ValueError("--reset-attention-mask with virtual pipeline stages: the middle stages get no "
+                             "mask in this example; drop --num-layers-per-virtual-pipeline-stage, or use "
+                             "--dataloader-inter-document-masking with --context-parallel-algo startrail")
+        if getattr(args, "window_size", None) is not None:
+            # megatron-core 0.19.2's local softmax (FusedScaleMaskSoftmax.forward_torch_softmax)
+            # replaces a given mask by the sliding window's: the documents would be ignored.
+            raise ValueError("--reset-attention-mask with --window-size: Megatron's local attention replaces the "
+                             "document mask by the window's; use --dataloader-inter-document-masking with "
+                             "--context-parallel-algo startrail")
     if args.sft:
         raise ValueError("--sft is not supported by this example; use Megatron-LM's pretrain_gpt.py (patches/)")
     if getattr(args, "hybrid_context_parallel", False) and args.context_parallel_algo == "megatron" \

@@ -1,0 +1,506 @@
+"""A model-level differential fuzzer: Megatron configurations drawn from a seed, each trained
+through examples/pretrain_gpt.py with StarTrail context parallelism and at CP = 1 (same TP,
+PP, EP), compared on every parameter's first-step gradient (per TP / PP / EP rank, relative
+1e-5, ``_compare``) and four iterations of losses (relative 1e-5), in fp32 on gloo.
+
+Each draw ends as one of:
+
+    exact     every gradient and loss within tolerance
+    DIFFERS   a silent wrong result: the one outcome that must never appear
+    refused   StarTrail's (or the example's) start-up check refused the configuration with an
+              error naming a flag (a ``--`` in the message) before step 1
+    skipped   the CP = 1 reference cannot run it (Megatron refuses it there, or it has no
+              CP = 1 twin: MTP on packed documents without MLA)
+    error     anything else (a crash after step 1, an unnamed refusal): a failure too
+
+The draw space (``draw``): TP 1/2, PP 1/2 with virtual stages, sequence parallel; MHA / GQA;
+RoPE, learned absolute, no position embedding, NoPE layers; recomputation full (uniform /
+block, 1..L layers) and selective (Megatron's module lists); MTP 1/2 layers, repeated or not;
+sliding windows (halo and schedule paths), sinks (off-by-one, learnable), packed documents
+(sample layout; the document layout, --sft, which the example refuses), MLA, MoE with EP2;
+QK-layernorm, SwiGLU, RMSNorm, untied embeddings, gradient accumulation; team sizes
+1/2/4/auto, Ulysses, both backward rotations, regathering, hybrid (dynamic) CP. Call
+protocols (``PROTOCOLS``): plain, evaluation passes, a forward-only pass of Megatron's schedule
+in train mode before every step, an abandoned forward before every step, save at iteration 2
+and resume, and a second model in the same processes running a forward before every step.
+
+Usage::
+
+    python -m benchmarks.model_fuzz --seed 7 --draws 25            # appends to benchmarks/results/model_fuzz.*
+    python -m benchmarks.model_fuzz --seed 7 --draws 1 --first 12   # reproduce draw 12 of seed 7
+
+A draw is named ``seed:index``; ``--first`` skips to an index. tests/megatron/test_model_fuzz.py
+runs a fixed slice and draws from a seed derived from the commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import random
+import re
+import shutil
+import tempfile
+import time
+
+from tests.megatron.example import pretrain_gpt, run_example_rank  # the CPU shims, megatron.training
+from tests.multiproc import run_ranks
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+TOLERANCE = 1e-5
+ITERS = 4
+SEQ = 256
+LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.* lm loss: ([0-9.E+-]+) \|")
+MLA = ["--multi-latent-attention", "--qk-head-dim", "32", "--qk-pos-emb-head-dim", "16", "--v-head-dim", "16",
+       "--kv-lora-rank", "32", "--rope-type", "rope"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
+       "--moe-aux-loss-coeff", "1e-2", "--moe-token-dispatcher-type", "alltoall",
+       "--disable-bias-linear"]  # (Megatron: bias in MoE only with expert TP 1)
+PROTOCOLS = ["plain", "evaluation", "forward_only", "abandoned", "resume", "two_models"]
+
+
+@dataclasses.dataclass
+class Draw:
+    """One configuration: the flags both runs share, the StarTrail run's own, the reference's own."""
+
+    name: str
+    features: list[str]
+    shared: list[str]
+    startrail: list[str]
+    reference: list[str]
+    startrail_ranks: int
+    reference_ranks: int
+    protocol: str
+    skip_reason: str | None = None  # set when the CP = 1 reference has no twin of this run
+
+
+def _pick(rng: random.Random, *options):
+    return options[rng.randrange(len(options))]
+
+
+def draw(seed: int, index: int, data_prefix: str) -> Draw:
+    """Draw configuration ``index`` of ``seed`` (the same draw on every machine)."""
+    rng = random.Random(f"{seed}:{index}")
+    features: list[str] = []
+    shared = ["--hidden-size", "64", "--num-attention-heads", "8", "--seq-length", str(SEQ),
+              "--micro-batch-size", "1", "--train-iters", str(ITERS), "--lr", "3e-3", "--lr-warmup-iters", "1",
+              "--seed", str(1000 + index), "--log-interval", "1", "--distributed-timeout-minutes", "2"]
+    hybrid = rng.random() < 0.08
+    mla = not hybrid and rng.random() < 0.2
+    moe = not hybrid and rng.random() < 0.15
+    # (MoE at TP 1: with TP 2 Megatron asks for sequence parallelism, whose uneven token
+    # all-gather gloo cannot run)
+    tp = 1 if moe else _pick(rng, 1, 2)
+    dp = 2 if moe else 1  # (EP2 takes two data-parallel ranks in both runs)
+    pp = 1 if hybrid or tp * dp * 2 * 2 > 8 else _pick(rng, 1, 1, 2)  # (room for CP >= 2 in 8 ranks)
+    layers = 2
+    sequence_parallel = tp == 2 and rng.random() < 0.5
+    if sequence_parallel:
+        shared += ["--sequence-parallel"]
+        features.append("SP")
+    if pp == 2:
+        if rng.random() < 0.5:
+            layers = 4
+            shared += ["--num-layers-per-virtual-pipeline-stage", "1"]
+            features.append("VPP")
+    shared += ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
+    if mla:
+        shared += MLA
+        features.append("MLA")
+    if moe:
+        shared += MOE
+        features.append("MoE EP2")
+    heads_kv = 8
+    if not mla and rng.random() < 0.5:
+        heads_kv = _pick(rng, 2, 4)
+        shared += ["--group-query-attention", "--num-query-groups", str(heads_kv)]
+        features.append(f"GQA 8/{heads_kv}")
+    if not mla:
+        position = _pick(rng, "rope", "learned_absolute", "none", "nope_layers")
+        if position == "nope_layers":
+            shared += ["--position-embedding-type", "rope", "--no-rope-freq", "2"]
+        else:
+            shared += ["--position-embedding-type", position]
+        features.append(position)
+    for flag, p in (("--qk-layernorm", 0.2), ("--swiglu", 0.3), ("--untie-embeddings-and-output-weights", 0.3)):
+        if rng.random() < p and not (mla and flag == "--qk-layernorm"):  # (MLA: Megatron's needs q_lora_rank)
+            shared.append(flag)
+            features.append(flag[2:])
+    if rng.random() < 0.3:
+        shared += ["--normalization", "RMSNorm"]
+        features.append("RMSNorm")
+    accumulation = 2 if "VPP" in features else _pick(rng, 1, 1, 2)  # (interleaving needs micro-batches >= PP)
+    if accumulation > 1:
+        features.append("grad accumulation 2")
+
+    # Recomputation.
+    # (not with sequence parallelism: on this machine megatron-core's recomputed SP gather, run
+    # on an autograd thread, misses the CPU patches' device mode and fails at CP = 1 too)
+    # (and not with MoE: its recomputed all-to-all fails the same way)
+    recompute = "none" if sequence_parallel or moe else _pick(rng, "none", "none", "full_uniform", "full_block",
+                                                               "selective")
+    if recompute.startswith("full"):
+        n = rng.randint(1, layers // pp)
+        shared += ["--recompute-granularity", "full", "--recompute-method", recompute[5:], "--recompute-num-layers",
+                   str(n)]
+        features.append(f"recompute {recompute} {n}")
+    elif recompute == "selective":
+        # Megatron's lists, less what megatron-core 0.19.2 cannot run on this machine at CP = 1
+        # either: "layernorm" (its CheckpointWithoutOutput needs Transformer Engine), "mlp" (the
+        # recomputation recurses until memory runs out: a checkpoint returning the MLP's bias
+        # parameter), "moe_act" (needs --moe-grouped-gemm).
+        modules = ["core_attn"] + (["mla_up_proj"] if mla else []) + (["moe"] if moe else [])
+        chosen = sorted(rng.sample(modules, rng.randint(1, min(2, len(modules)))))
+        shared += ["--recompute-granularity", "selective", "--recompute-modules", *chosen]
+        features.append(f"selective {'+'.join(chosen)}")
+
+    # Attention variants.
+    packed = hybrid or rng.random() < 0.25
+    document_layout = packed and not hybrid and rng.random() < 0.1
+    cp = 1 if hybrid else _pick(rng, 2, 4, 4, 8)
+    while tp * pp * cp * dp > 8:
+        cp //= 2
+    window = None
+    if not hybrid and rng.random() < 0.2:
+        chunk = SEQ // (2 * cp)
+        window = _pick(rng, max(1, chunk // 2), chunk * 3)  # halo, schedule
+        shared += ["--window-size", f"{window},0", "--window-attn-skip-freq", "2"]
+        features.append(f"window {window} ({'halo' if window < chunk else 'schedule'})")
+    if not mla and rng.random() < 0.15:
+        softmax = _pick(rng, "off-by-one", "learnable")
+        shared += ["--softmax-type", softmax]
+        features.append(f"sinks {softmax}")
+    # (Megatron refuses MTP with learned absolute position embeddings)
+    mtp = 0 if hybrid or "learned_absolute" in features else _pick(rng, 0, 0, 1, 2)
+    if mtp:
+        shared += ["--mtp-num-layers", str(mtp)]
+        if mtp == 2 and rng.random() < 0.5:
+            shared.append("--mtp-use-repeated-layer")
+            features.append("MTP 2 repeated")
+        else:
+            features.append(f"MTP {mtp}")
+    skip = None
+    reference: list[str] = []
+    startrail: list[str] = []
+    if packed:
+        shared += ["--data-path", data_prefix, "--split", "90,10,0"]  # (a validation split for evaluation)
+        if document_layout:
+            startrail += ["--sft"]
+            features.append("packed document layout")
+        else:
+            startrail += ["--dataloader-inter-document-masking"]
+            features.append("packed sample layout")
+        if mla:
+            reference += ["--dataloader-inter-document-masking"]
+            shared += ["--no-rope-fusion"]
+        else:  # Megatron's local attention has no THD: its dense per-document mask is the twin
+            reference += ["--reset-attention-mask", "--reset-position-ids"]
+            if mtp:
+                skip = "MTP on packed documents without MLA: the dense-mask twin rolls across documents"
+
+    # StarTrail's own settings.
+    if hybrid:
+        ranks = _pick(rng, 4, 8) // tp
+        shared += ["--calculate-per-token-loss", "--eval-iters", "0", "--rerun-mode", "disabled",
+                   "--global-batch-size", str(ranks * 2)]
+        startrail += ["--context-parallel-size", "1", "--context-parallel-algo", "startrail",
+                      "--hybrid-context-parallel", "--max-seqlen-per-dp-cp-rank", str(SEQ // ranks),
+                      "--startrail-team-size", str(_pick(rng, 1, 2, 4))]
+        features.append(f"hybrid CP over {ranks}")
+        return _finish(seed, index, rng, features, shared, startrail, reference, tp * ranks, tp, layers, skip,
+                       hybrid=True)
+    u = 1
+    kv_per_tp = heads_kv // tp if not mla else 8 // tp
+    if rng.random() < 0.25 and cp >= 4 and (8 // tp) % 2 == 0 and kv_per_tp % 2 == 0:
+        u = 2
+        startrail += ["--ulysses-degree-in-cp", "2"]
+        features.append("Ulysses 2")
+    size = cp // u
+    teams = [c for c in (1, 2, 4) if size % (c * c) == 0]
+    team = _pick(rng, *teams, "auto")
+    startrail += ["--context-parallel-size", str(cp), "--context-parallel-algo", "startrail",
+                  "--startrail-team-size", str(team)]
+    features.append(f"CP{cp} C{team}")
+    if rng.random() < 0.4:
+        rotation = _pick(rng, "q", "kv")
+        startrail += ["--startrail-backward-rotation", rotation]
+        features.append(f"rotation {rotation}")
+    if rng.random() < 0.2:
+        startrail.append("--startrail-regather-in-backward")
+        features.append("regather")
+    shared += ["--global-batch-size", str(dp * accumulation)]
+    return _finish(seed, index, rng, features, shared, startrail, reference, tp * pp * cp * dp, tp * pp * dp,
+                   layers, skip)
+
+
+def _finish(seed, index, rng, features, shared, startrail, reference, startrail_ranks, reference_ranks, layers, skip,
+            hybrid=False):
+    protocol = _pick(rng, *(["plain"] * 4), *PROTOCOLS[1:])
+    if hybrid and protocol not in ("plain", "forward_only"):
+        # hybrid CP: evaluation is refused (it wraps only the training data), and its data
+        # iterator yields whole scheduled global batches, which a lone forward cannot take
+        protocol = "plain"
+    if protocol == "evaluation":
+        shared += ["--eval-interval", "2", "--eval-iters", "1"]
+    if protocol != "plain":
+        features.append(protocol)
+    shared = ["--num-layers", str(layers), *shared]
+    return Draw(f"{seed}:{index}", features, shared, startrail, reference, startrail_ranks, reference_ranks,
+                protocol, skip)
+
+
+# --- one rank of one run --------------------------------------------------------------------
+
+def _train_step_with(extra_before_step):
+    """Patch this forked rank's megatron.training.train_step: ``extra_before_step(forward_step_func,
+    data_iterator, model)`` runs first, the model in train mode."""
+    from megatron.training import training  # noqa: PLC0415
+
+    train_step = training.train_step
+
+    def patched(forward_step_func, data_iterator, model, *args, **kwargs):
+        extra_before_step(forward_step_func, data_iterator, model)
+        return train_step(forward_step_func, data_iterator, model, *args, **kwargs)
+
+    training.train_step = patched
+
+
+def _forward_only(forward_step_func, data_iterator, model):
+    from megatron.core.num_microbatches_calculator import get_num_microbatches  # noqa: PLC0415
+    from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: PLC0415
+    from megatron.training import get_args  # noqa: PLC0415
+
+    args = get_args()
+    get_forward_backward_func()(forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+                                num_microbatches=get_num_microbatches(), seq_length=args.seq_length,
+                                micro_batch_size=args.micro_batch_size, forward_only=True)
+
+
+def _install_protocol(protocol: str) -> None:
+    if protocol == "forward_only":  # RL frameworks scoring log-probs between steps, model left in train mode
+        _train_step_with(_forward_only)
+    elif protocol == "abandoned":  # a step's forward whose backward never runs (dropped, e.g. a skipped batch)
+        def abandoned(forward_step_func, data_iterator, model):
+            from megatron.core import parallel_state  # noqa: PLC0415
+
+            if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+                return _forward_only(forward_step_func, data_iterator, model)  # a lone stage cannot run alone
+            output, _ = forward_step_func(data_iterator, model[0])
+            del output  # the graph, with whatever it kept, is dropped
+
+        _train_step_with(abandoned)
+    elif protocol == "two_models":  # a second model (its own StarTrail layers) in the same processes
+        from megatron.training import training  # noqa: PLC0415
+
+        get_model, second = training.get_model, []
+
+        def two_models(*args, **kwargs):
+            model = get_model(*args, **kwargs)
+            second.append(get_model(*args, **kwargs))
+            return model
+
+        training.get_model = two_models
+        _train_step_with(lambda step, data, model: _forward_only(step, data, second[0]))
+
+
+def fuzz_worker(rank, world_size, argv, protocol):
+    """One rank of one run: its logged losses, and (on DP x CP rank 0 of each TP / PP / EP
+    rank) the first step's gradients by (tp, pp, ep, name)."""
+    import queue  # noqa: PLC0415
+
+    from megatron.core import parallel_state  # noqa: PLC0415
+    from megatron.core.dist_checkpointing.strategies import filesystem_async  # noqa: PLC0415
+
+    from megatron.training import training  # noqa: PLC0415
+
+    filesystem_async._results_queue = queue.Queue()  # (tests/megatron/test_resume.py: no Manager in a daemon)
+    _install_protocol(protocol)
+    recorded, finalize = {}, training.finalize_model_grads
+
+    def recording(model, *args, **kwargs):  # the first step's reduced gradients of every model chunk
+        out = finalize(model, *args, **kwargs)
+        if "grads" not in recorded:
+            recorded["grads"] = {f"chunk{i}.{name}": p.main_grad.detach().clone().double()
+                                 for i, chunk in enumerate(model) for name, p in chunk.named_parameters()}
+        return out
+
+    training.finalize_model_grads = recording
+    log = run_example_rank(rank, world_size, argv)
+    losses = {int(i): float(x) for i, x in LOSS.findall(log)}
+    grads = None
+    if "grads" in recorded:
+        if parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0:
+            where = (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank(),
+                     parallel_state.get_expert_model_parallel_rank())
+            grads = {(*where, name): g for name, g in recorded["grads"].items()}
+    return losses, grads
+
+
+def _train(ranks: int, argv: list[str], protocol: str):
+    """(losses by iteration, grads by (tp, pp, ep, name)) of one run, or raise what a rank raised.
+    ``resume``: to iteration 2, saved (torch_dist); then new processes load it and go on to the end."""
+    parts = [argv]
+    save_dir = tempfile.mkdtemp(prefix="fuzz_ckpt_")
+    if protocol == "resume":
+        parts = [[*argv, "--save", save_dir, "--save-interval", "2", "--exit-interval", "2"],
+                 [*argv, "--load", save_dir]]
+    losses: dict[int, float] = {}
+    grads: dict = {}
+    try:
+        for part in parts:
+            for rank_losses, rank_grads in run_ranks(fuzz_worker, ranks, args=(part, protocol), timeout=240):
+                losses.update(rank_losses)
+                if not grads or part is parts[0]:
+                    grads.update(rank_grads or {})  # the first step's: the first part's
+    finally:
+        shutil.rmtree(save_dir, ignore_errors=True)
+    return losses, grads
+
+
+def _compare(got, want) -> tuple[float, float, str]:
+    """(worst relative loss error, worst relative gradient error, the parameter)."""
+    (losses, grads), (ref_losses, ref_grads) = got, want
+    if sorted(losses) != list(range(1, ITERS + 1)) or sorted(ref_losses) != list(range(1, ITERS + 1)):
+        return math.inf, math.inf, f"iterations logged {sorted(losses)} / {sorted(ref_losses)}"
+    loss_err = max(abs(losses[i] - ref_losses[i]) / abs(ref_losses[i]) for i in losses)
+    if set(grads) != set(ref_grads) or not grads:
+        return loss_err, math.inf, f"parameters differ: {len(grads)} vs {len(ref_grads)}"
+    # Per parameter: max|g - g_ref| / max|g_ref|, the denominator floored at 1e-3 of the model's
+    # largest gradient entry: a gradient that is zero in exact arithmetic (the K layer norm's
+    # bias: a shift of every key leaves each softmax row unchanged) is fp32 noise, 1e-9 of the
+    # largest, in both runs. A wrong gradient 1e-8 of the largest or more still shows.
+    floor = 1e-3 * max(float(r.abs().max()) for r in ref_grads.values())
+    worst, where = 0.0, ""
+    for key, ref in ref_grads.items():
+        err = float((grads[key] - ref).abs().max() / max(float(ref.abs().max()), floor))
+        if not math.isfinite(err) or err > worst:
+            worst, where = (err if math.isfinite(err) else math.inf), "/".join(map(str, key))
+    return loss_err, worst, where
+
+
+def _startup_refusal(error: Exception) -> str | None:
+    """The error that stopped a run before its first training step (argument checks, model
+    building), if that is what stopped it: its last ``XError: message`` line."""
+    text = str(error)
+    if "in train_step" in text or "in forward_backward" in text:
+        return None
+    return _last_error(error)
+
+
+def _last_error(error: Exception) -> str | None:
+    messages = re.findall(r"^\s*(\w+(?:Error|Exception)): (.+)$", str(error), re.M)
+    return f"{messages[-1][0]}: {messages[-1][1]}"[:300] if messages else None
+
+
+def run_draw(d: Draw) -> dict:
+    started = time.time()
+    result = {"name": d.name, "features": d.features, "protocol": d.protocol,
+              "startrail": d.startrail, "startrail_ranks": d.startrail_ranks, "reference_ranks": d.reference_ranks}
+
+    def done(**fields):
+        result.update(fields, seconds=round(time.time() - started, 1))
+        return result
+
+    if d.skip_reason:
+        return done(status="skipped", reason=d.skip_reason)
+    reference = lambda: _train(d.reference_ranks, [*d.shared, "--context-parallel-size", "1", *d.reference],  # noqa: E731
+                               d.protocol)
+    try:
+        got = _train(d.startrail_ranks, [*d.shared, *d.startrail], d.protocol)
+    except AssertionError as error:
+        refusal = _startup_refusal(error)
+        try:
+            reference()
+        except AssertionError as ref_error:  # Megatron refuses the configuration itself
+            ref_refusal = _startup_refusal(ref_error)
+            if ref_refusal:
+                return done(status="skipped", reason="Megatron refuses it at CP = 1 too: " + ref_refusal)
+            return done(status="skipped", reason="the CP = 1 reference fails on this machine too: " +
+                        (_last_error(ref_error) or str(ref_error)[-300:]))
+        if refusal and "--" in refusal:
+            return done(status="refused", reason=refusal)
+        return done(status="error", reason=str(error)[-1500:])
+    try:
+        want = reference()
+    except AssertionError as error:
+        refusal = _startup_refusal(error)
+        if refusal:
+            return done(status="skipped", reason="the CP = 1 reference refuses it: " + refusal)
+        return done(status="error", reason="the CP = 1 reference failed: " + str(error)[-1500:])
+    loss_err, grad_err, where = _compare(got, want)
+    exact = loss_err <= TOLERANCE and grad_err <= TOLERANCE
+    return done(status="exact" if exact else "DIFFERS", loss_error=loss_err, grad_error=grad_err, worst=where)
+
+
+def documents(directory: str) -> str:
+    """The short packed documents (examples/data/make_indexed_dataset.short_documents) as an indexed dataset."""
+    prefix = os.path.join(directory, "docs")
+    if not os.path.exists(prefix + ".bin"):
+        make = pretrain_gpt.make_indexed_dataset
+        make.write_indexed_dataset(make.short_documents(), prefix)
+    return prefix
+
+
+def table(rows: list[dict]) -> str:
+    counts = {s: sum(r["status"] == s for r in rows) for s in ("exact", "DIFFERS", "refused", "skipped", "error")}
+    timed = [r["seconds"] for r in rows if r["status"] == "exact"]
+    lines = [
+        "# Model-level differential fuzz: StarTrail CP against CP = 1 (benchmarks/model_fuzz.py)",
+        "",
+        f"{len(rows)} draws: " + ", ".join(f"{n} {s}" for s, n in counts.items()) +
+        (f"; {sum(timed) / len(timed):.0f} s per compared draw on average (two runs), 2-core CPU, gloo" if timed else ""),
+        "",
+        f"Tolerance {TOLERANCE:g} relative, every parameter's first-step gradient (per TP / PP / EP rank) and "
+        f"{ITERS} iterations of lm loss, fp32. Reproduce a draw `seed:i` with "
+        "`python -m benchmarks.model_fuzz --seed SEED --first I --draws 1`.",
+        "",
+        "| draw | configuration | ranks | status | loss err | grad err | s | note |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        note = r.get("reason") or (r.get("worst") if r["status"] != "exact" else "")
+        note = (note or "").replace("|", "/").replace("\n", " ")[:160]
+        fmt = lambda x: "" if x is None else f"{x:.1e}"  # noqa: E731
+        lines.append(f"| {r['name']} | {', '.join(r['features'])} | {r['startrail_ranks']} vs "
+                     f"{r['reference_ranks']} | {r['status']} | {fmt(r.get('loss_error'))} | "
+                     f"{fmt(r.get('grad_error'))} | {r.get('seconds', '')} | {note} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seed", type=int, required=True)
+    p.add_argument("--draws", type=int, default=10)
+    p.add_argument("--first", type=int, default=0, help="index of the first draw")
+    p.add_argument("--out", default=os.path.join(RESULTS, "model_fuzz"),
+                   help="results path without extension: appends each draw to its .jsonl, rewrites its markdown table from all rows")
+    p.add_argument("--no-write", action="store_true", help="print only")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        prefix = documents(tmp)
+        rows = []
+        for i in range(args.first, args.first + args.draws):
+            d = draw(args.seed, i, prefix)
+            r = run_draw(d)
+            rows.append(r)
+            errors = (f"loss {r['loss_error']:.1e} grad {r['grad_error']:.1e}  " if "grad_error" in r else "")
+            print(f"{r['name']:>8} {r['status']:>8} {r.get('seconds', 0):6.1f}s  {', '.join(d.features)}  {errors}"
+                  f"{r.get('reason') or (r.get('worst') if r['status'] != 'exact' else '') or ''}"[:600], flush=True)
+            if not args.no_write:
+                with open(args.out + ".jsonl", "a") as f:
+                    f.write(json.dumps(r) + "\n")
+    if not args.no_write:
+        with open(args.out + ".jsonl") as f:
+            every = [json.loads(line) for line in f if line.strip()]
+        with open(args.out + ".md", "w") as f:
+            f.write(table(every))
+    bad = [r for r in rows if r["status"] in ("DIFFERS", "error")]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
