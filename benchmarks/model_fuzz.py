@@ -164,6 +164,8 @@ def draw(seed: int, index: int, data_prefix: str) -> Draw:
     cp = 1 if hybrid else _pick(rng, 2, 4, 4, 8)
     while tp * pp * cp * dp > 8:
         cp //= 2
+    if not hybrid and tp * pp * dp == 1 and rng.random() < 0.2:
+        cp = 16  # 16 ranks: the one size here where team size 4 fits (C*C divides the group)
     window = None
     if not hybrid and rng.random() < 0.2:
         chunk = SEQ // (2 * cp)
@@ -221,7 +223,7 @@ def draw(seed: int, index: int, data_prefix: str) -> Draw:
         features.append("Ulysses 2")
     size = cp // u
     teams = [c for c in (1, 2, 4) if size % (c * c) == 0]
-    team = _pick(rng, *teams, "auto")
+    team = _pick(rng, *teams, "auto") if 4 not in teams else _pick(rng, 4, *teams, "auto")
     startrail += ["--context-parallel-size", str(cp), "--context-parallel-algo", "startrail",
                   "--startrail-team-size", str(team)]
     features.append(f"CP{cp} C{team}")
