@@ -297,3 +297,24 @@ def test_kernel_for_cpu_tensors():
         kernel_for(q, k, v, "flash_attn")
     with pytest.raises(ValueError, match="kernel"):
         kernel_for(q, k, v, "nope")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gqa_head_groups_are_summed_in_float32_and_rounded_once(dtype):
+    # dK, dV of GQA 32/4 from a kernel that ran on expanded heads: 8 query heads' gradients per
+    # K/V head. Summed in float32, each entry is the exact sum rounded once: within half an
+    # ulp of the float64 sum (a running sum in bf16 would round 7 times). torch's own reductions
+    # of half types accumulate in float32 too (this test passed with a plain .sum on the CPU);
+    # the explicit dtype makes it the kernel's contract whatever reduction runs.
+    from megatron_startrail.kernels.reference import sum_kv_head_groups
+
+    x = torch.randn(2, 32, 64, 16, generator=torch.Generator().manual_seed(3)).to(dtype)
+    got = sum_kv_head_groups(x, 4)
+    assert got.dtype == dtype and got.shape == (2, 4, 64, 16)
+    exact = x.double().view(2, 4, 8, 64, 16).sum(dim=2)
+    half_ulp = exact.abs() * torch.finfo(dtype).eps / 2 + torch.finfo(dtype).tiny
+    assert ((got.double() - exact).abs() <= half_ulp).all()
+    running = x[:, ::8].clone()  # a running sum in the input's dtype, for contrast: it does not hold
+    for j in range(1, 8):
+        running += x[:, j::8]
+    assert ((running.double() - x.double().view(2, 4, 8, 64, 16).sum(dim=2)).abs() > half_ulp).any()

@@ -19,11 +19,16 @@ def expand_kv_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def sum_kv_head_groups(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    # [b, h, s, d] -> [b, hkv, s, d]: the adjoint of expand_kv_heads.
+    # [b, h, s, d] -> [b, hkv, s, d]: the adjoint of expand_kv_heads. A group's h / hkv query
+    # heads' dK (dV) are summed in float32 at least, then rounded once to x's dtype: a bf16 sum
+    # rounds after every add (h / hkv - 1 roundings: 7 for GQA 32/4).
     b, h, s, d = x.shape
     if h == kv_heads:
         return x
-    return x.view(b, kv_heads, h // kv_heads, s, d).sum(dim=2)
+    grouped = x.view(b, kv_heads, h // kv_heads, s, d)
+    if x.dtype in (torch.float16, torch.bfloat16):
+        return grouped.sum(dim=2, dtype=torch.float32).to(x.dtype)
+    return grouped.sum(dim=2)
 
 
 def _causal_mask(sq: int, sk: int, device) -> torch.Tensor:
