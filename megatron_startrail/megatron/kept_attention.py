@@ -154,7 +154,8 @@ class KeptAttention:
         if kept is None:
             _say_once("StarTrail: the attention is recomputed with its communication: its first pass was not "
                       "kept under Megatron's checkpoint (Transformer Engine's checkpoint, taken under FP8/FP4, "
-                      "does not mark it); see docs/memory.md, 'Recomputation'")
+                      "does not mark it); --startrail-recompute-attention makes that the rule and silences this; "
+                      "see docs/memory.md, 'Recomputation'")
             return attend(q, k, v)
         if kept.q_shape != q.shape:
             raise RuntimeError(
