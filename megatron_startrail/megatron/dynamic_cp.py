@@ -161,40 +161,15 @@ _logged_team_sizes: dict[int, int] = {}  # what the schedule log prints: the las
 def install_dynamic_cp_schedule(team_sizes: dict[int, int]) -> None:
     """Make every hybrid CP schedule runnable on the groups built (Megatron's data wrapper
     schedules with :class:`.AlignedCPScheduler`), check each global batch's schedule
-    (:func:`schedule_sizes`) and print, on global rank 0 once per iteration, how many
-    sub-samples run at each CP size and the team size each uses: wraps
-    ``megatron.training``'s ``HybridCPDataLoaderWrapper`` (idempotent). Called by
+    (:func:`schedule_sizes`) on every rank before Megatron runs it and print, on global rank 0
+    once per iteration, how many sub-samples run at each CP size and the team size each uses:
+    wraps ``schedules.hybrid_context_parallel_forward_backward`` (idempotent). Called by
     :func:`initialize_dynamic_startrail`, so the example and a patched ``pretrain_gpt.py``
-    get it from the layer spec, before ``pretrain`` wraps the training data."""
+    get it from the layer spec, before ``pretrain`` trains."""
     install_aligned_scheduler()
     _logged_team_sizes.clear()
     _logged_team_sizes.update(team_sizes)
-    try:
-        from megatron.training import training  # noqa: PLC0415
-    except ImportError:  # megatron-core without megatron.training: the scheduler is enough
-        return
-
-    _install_agreed_schedule_check()
-    wrapper = training.HybridCPDataLoaderWrapper
-    if getattr(wrapper, "_startrail_checked", False):
-        return
-
-    class LoggedHybridCPDataLoader(wrapper):
-        _startrail_checked = True
-
-        def __next__(self):
-            samples, sample_id_groups = super().__next__()
-            if sample_id_groups is not None and dist.get_rank() == 0:  # tensor-parallel rank 0 reads the data
-                try:
-                    sizes = schedule_sizes(sample_id_groups)
-                except RuntimeError:
-                    return samples, sample_id_groups  # refused by every rank in the schedule, next
-                print(" dynamic CP: " + " | ".join(
-                    f"CP {k}: {n} sub-samples, team size {_logged_team_sizes.get(k, 1)}"
-                    for k, n in sizes.items()), flush=True)
-            return samples, sample_id_groups
-
-    training.HybridCPDataLoaderWrapper = LoggedHybridCPDataLoader
+    _install_checked_schedule()
 
 
 def _agree_over_tensor_parallel_ranks(refusal: RuntimeError | None) -> None:
@@ -218,11 +193,11 @@ def _agree_over_tensor_parallel_ranks(refusal: RuntimeError | None) -> None:
             f"rank {dist.get_global_rank(group, 0)}; its error names the sub-sample and ranks)")
 
 
-def _install_agreed_schedule_check() -> None:
-    """Check every global batch's hybrid CP schedule (:func:`schedule_sizes`) before Megatron
-    runs it, on every rank: wraps ``schedules.hybrid_context_parallel_forward_backward``
-    (idempotent). Tensor-parallel rank 0 takes the global batch from the data iterator, checks
-    it and hands it on unchanged; the verdict is agreed over the tensor-parallel group."""
+def _install_checked_schedule() -> None:
+    """Wrap ``schedules.hybrid_context_parallel_forward_backward`` (idempotent): tensor-parallel
+    rank 0 takes the global batch from the data iterator, checks its schedule once
+    (:func:`schedule_sizes`; global rank 0 logs the sizes) and hands it on unchanged; the
+    verdict is agreed over the tensor-parallel group."""
     from megatron.core.pipeline_parallel import schedules  # noqa: PLC0415
 
     megatron_schedule = schedules.hybrid_context_parallel_forward_backward
@@ -234,9 +209,14 @@ def _install_agreed_schedule_check() -> None:
         if parallel_state.get_tensor_model_parallel_rank() == 0:
             data = next(data_iterator)  # (samples, sample_id_groups): one global batch
             try:
-                schedule_sizes(data[1])
+                sizes = schedule_sizes(data[1])
             except RuntimeError as error:
                 refusal = error
+            else:
+                if dist.get_rank() == 0:
+                    print(" dynamic CP: " + " | ".join(
+                        f"CP {k}: {n} sub-samples, team size {_logged_team_sizes.get(k, 1)}"
+                        for k, n in sizes.items()), flush=True)
             data_iterator = iter([data])
         _agree_over_tensor_parallel_ranks(refusal)
         return megatron_schedule(forward_step_func, data_iterator, *args)

@@ -131,7 +131,7 @@ def refusing_worker(rank, world_size, argv):
 
     checked, batches = dynamic_cp.schedule_sizes, []
 
-    def refusing(sample_id_groups):  # (rank 0's schedule log checks each batch too: counted once)
+    def refusing(sample_id_groups):
         if not any(b is sample_id_groups for b in batches):
             batches.append(sample_id_groups)
         if batches[2:3] and batches[2] is sample_id_groups:

@@ -93,13 +93,14 @@ def test_the_simulators_unfixed_schedule_is_megatrons_own():
 def test_building_the_groups_installs_the_aligned_scheduler_where_megatrons_wrapper_finds_it(monkeypatch):
     # initialize_dynamic_startrail (reached by startrail_spec_from_args: the example's and the
     # patched pretrain_gpt.py's one way in) calls install_dynamic_cp_schedule.
-    from megatron.training import training  # noqa: PLC0415
+    from megatron.core.pipeline_parallel import schedules  # noqa: PLC0415
 
     monkeypatch.setattr(data_schedule, "BalancedCPScheduler", BalancedCPScheduler)
-    monkeypatch.setattr(training, "HybridCPDataLoaderWrapper", training.HybridCPDataLoaderWrapper)
+    monkeypatch.setattr(schedules, "hybrid_context_parallel_forward_backward",
+                        schedules.hybrid_context_parallel_forward_backward)
     dynamic_cp.install_dynamic_cp_schedule({1: 1, 2: 1})
     assert data_schedule.BalancedCPScheduler is AlignedCPScheduler
-    assert training.HybridCPDataLoaderWrapper._startrail_checked
+    assert schedules.hybrid_context_parallel_forward_backward._startrail_checked
     install_aligned_scheduler()  # idempotent
     assert data_schedule.BalancedCPScheduler is AlignedCPScheduler
     import inspect  # noqa: PLC0415
