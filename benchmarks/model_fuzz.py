@@ -317,20 +317,11 @@ def fuzz_worker(rank, world_size, argv, protocol):
     from megatron.core import parallel_state  # noqa: PLC0415
     from megatron.core.dist_checkpointing.strategies import filesystem_async  # noqa: PLC0415
 
-    from megatron.training import training  # noqa: PLC0415
+    from tests.megatron.utils import record_first_step_grads  # noqa: PLC0415
 
     filesystem_async._results_queue = queue.Queue()  # (tests/megatron/test_resume.py: no Manager in a daemon)
     _install_protocol(protocol)
-    recorded, finalize = {}, training.finalize_model_grads
-
-    def recording(model, *args, **kwargs):  # the first step's reduced gradients of every model chunk
-        out = finalize(model, *args, **kwargs)
-        if "grads" not in recorded:
-            recorded["grads"] = {f"chunk{i}.{name}": p.main_grad.detach().clone().double()
-                                 for i, chunk in enumerate(model) for name, p in chunk.named_parameters()}
-        return out
-
-    training.finalize_model_grads = recording
+    recorded = record_first_step_grads(every_chunk=True)  # the first step's reduced gradients, every chunk
     log = run_example_rank(rank, world_size, argv)
     losses = {int(i): float(x) for i, x in LOSS.findall(log)}
     grads = None
@@ -356,7 +347,7 @@ def _train(ranks: int, argv: list[str], protocol: str):
         for part in parts:
             for rank_losses, rank_grads in run_ranks(fuzz_worker, ranks, args=(part, protocol), timeout=240):
                 losses.update(rank_losses)
-                if not grads or part is parts[0]:
+                if part is parts[0]:
                     grads.update(rank_grads or {})  # the first step's: the first part's
     finally:
         shutil.rmtree(save_dir, ignore_errors=True)

@@ -43,6 +43,7 @@ from megatron.core.transformer.utils import is_layer_window_attention
 
 from ..attention import startrail_attn
 from ..groups import StarTrailGroups
+from ..layout import normalize_window
 from .attention_options import check_attention_options
 from .dynamic_cp import DynamicCPGroups
 from .kept_attention import KeptAttention
@@ -243,16 +244,14 @@ class LocalMLACoreAttention(MegatronModule):
             config.window_size, config.window_attn_skip_freq, layer_number) else None
 
     def _causal(self, tokens: int, device) -> torch.Tensor:
-        """``[t, t]`` bool: key j <= query i, inside this layer's window ``(left, right)`` if any."""
+        """``[t, t]`` bool: key j <= query i, inside this layer's window if any (the bounds of key
+        minus query position StarTrail's kernel calls use, ``layout.normalize_window``)."""
         allowed = torch.ones(tokens, tokens, dtype=torch.bool, device=device).tril()
-        if self.window_size is not None:
-            left, right = self.window_size
+        bounds = normalize_window(self.window_size, causal=True)
+        if bounds is not None:
             row = torch.arange(tokens, device=device)
-            distance = row[:, None] - row[None, :]  # i - j
-            if left >= 0:
-                allowed &= distance <= left
-            if right >= 0:
-                allowed &= -distance <= right
+            delta = row[None, :] - row[:, None]  # [i, j]: key j minus query i
+            allowed &= (delta >= bounds[0]) & (delta <= bounds[1])
         return allowed
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,

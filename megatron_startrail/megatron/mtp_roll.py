@@ -36,10 +36,10 @@ def _megatron_mtp():
     return multi_token_prediction
 
 
-def startrail_roll_tensor(tensor, shifts=-1, dims=-1, cp_group=None, packed_seq_params=None, *, megatron_roll=None):
+def startrail_roll_tensor(tensor, shifts=-1, dims=-1, cp_group=None, packed_seq_params=None):
     """``roll_tensor`` with StarTrail's layout of packed documents and the CP group's target
     count: ``(rolled, count)`` as Megatron returns them (see the module docstring)."""
-    megatron_roll = megatron_roll or _megatron_mtp()._startrail_megatron_roll_tensor
+    megatron_roll = _megatron_mtp()._startrail_megatron_roll_tensor
     cp = cp_group.size() if cp_group is not None else 1
     if tensor is None or cp == 1:
         return megatron_roll(tensor, shifts, dims, cp_group, packed_seq_params)

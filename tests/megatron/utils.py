@@ -185,13 +185,14 @@ def worst_grad_error(grads: dict, ref: dict) -> tuple[float, str]:
     return errors[name], name
 
 
-def record_first_step_grads(step: int = 1) -> dict:
+def record_first_step_grads(step: int = 1, every_chunk: bool = False) -> dict:
     """In a forked rank about to run megatron.training's pretrain (examples/pretrain_gpt.py):
     after the first ``finalize_model_grads`` (gradients reduced over DP x CP, the expert ones
     over expert DP, and scaled as Megatron's DDP does), keep every parameter's ``main_grad``,
     by name. Returns the dict that then holds them under "grads" (empty before the first step).
-    ``step``: keep the grads of this run's ``step``-th step instead (1: its first). Patched in
-    this forked rank only; the run itself is unchanged."""
+    ``step``: keep the grads of this run's ``step``-th step instead (1: its first).
+    ``every_chunk``: those of every model chunk (virtual pipeline stages), by ``chunk{i}.name``,
+    not only the first's. Patched in this forked rank only; the run itself is unchanged."""
     from megatron.training import training  # noqa: PLC0415
 
     recorded: dict = {}
@@ -202,8 +203,9 @@ def record_first_step_grads(step: int = 1) -> dict:
         out = finalize(model, *args, **kwargs)
         calls[0] += 1
         if calls[0] == step:
-            recorded["grads"] = {name: p.main_grad.detach().clone().double()
-                                 for name, p in model[0].named_parameters()}
+            chunks = enumerate(model if every_chunk else model[:1])
+            recorded["grads"] = {(f"chunk{i}.{name}" if every_chunk else name): p.main_grad.detach().clone().double()
+                                 for i, chunk in chunks for name, p in chunk.named_parameters()}
         return out
 
     training.finalize_model_grads = recording
