@@ -129,7 +129,7 @@ class _StarTrailAttention(torch.autograd.Function):
         # q [n, b, h, dqk], k [n, b, hkv, dqk], v [n, b, hkv, dv]; n = len(my chunks) * L;
         # sink [h] or None (attention sinks of these heads, :mod:`.sinks`)
         kernel = kernel_for(q, k, v, groups.kernel, groups.config.deterministic)
-        comm = Communicator(fwd_stats, groups.transport, timeline)
+        comm = Communicator(fwd_stats, groups.transports_on(q.device)[0], timeline)
         q_team, kv_init = gather_team_and_send(comm, groups, q, k, v, gather_op="team_all_gather",
                                                 send_op="init_send")
         partials = list(_sub_ring_forward(comm, groups, docs, kernel, transfer, q_team, kv_init, causal=causal,

@@ -27,7 +27,7 @@ def backward_kv(ctx, dout):
     """The backward with rotation "kv": the team's query side fixed, K, V and dK, dV
     circulating; returns ``dq, dk, dv`` of this rank (the inputs' dtype)."""
     groups, docs = ctx.groups, ctx.docs
-    comm = Communicator(ctx.bwd_stats, groups.transport, ctx.timeline)
+    comm = Communicator(ctx.bwd_stats, groups.transports_on(dout.device)[0], ctx.timeline)
     if ctx.regather:  # phases 1-2 again, on this rank's q, k, v
         q, k, v, out, lse = ctx.saved_tensors
         q_team, kv_init = gather_team_and_send(comm, groups, q, k, v, gather_op="regather_team_all_gather",
@@ -146,7 +146,7 @@ def backward_q(ctx, dout):
     on sub-rings of one position (Note [piece-major rotation q]); returns ``dq, dk, dv`` of
     this rank (the inputs' dtype)."""
     groups, docs = ctx.groups, ctx.docs
-    comm = Communicator(ctx.bwd_stats, groups.transport, ctx.timeline)
+    comm = Communicator(ctx.bwd_stats, groups.transports_on(dout.device)[0], ctx.timeline)
     topo, pos, c = groups.topology, groups.startrail_rank, groups.team_size
     piece_major = topo.one_position_sub_rings
     if ctx.regather:  # phase 2 again (K, V only: the queries come member by member)

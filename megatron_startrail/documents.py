@@ -74,7 +74,10 @@ def agree_on_documents(
     if cu_seqlens is None:
         if cu_seqlens_padded is not None:
             raise ValueError("cu_seqlens_padded needs cu_seqlens (the real document lengths) as well")
-        return dense_sequence(groups.cp_size, local_tokens)
+        # One object per shape on these groups, so its device metadata is made once for every layer
+        # and micro-batch of that shape, and goes with the groups (no process-lifetime tensors).
+        return groups.documents_cache.get("dense", (), (groups.cp_size, local_tokens),
+                                          lambda: dense_sequence(groups.cp_size, local_tokens))
     group = cp_group if cp_group is not None else groups.cp_group
     return groups.documents_cache.get(
         "documents", (cu_seqlens, cu_seqlens_padded), (local_tokens, batch, id(group)),
@@ -97,7 +100,7 @@ def _agree(cu_seqlens, cu_seqlens_padded, local_tokens, batch, groups, stats, de
         vec[4:8] = torch.stack(_fingerprint(cu_seqlens, device) + _fingerprint(cu_seqlens_padded, device))
     both = torch.cat([vec, -vec])
     if cp > 1:
-        both = Communicator(stats, groups.transport).all_reduce_max(both, group, cp, op=CHECK_OP)
+        both = Communicator(stats, groups.transports_on(device)[0]).all_reduce_max(both, group, cp, op=CHECK_OP)
     local = [] if error is not None else [cu_seqlens.to(device=device, dtype=torch.int64)]
     if error is None and cu_seqlens_padded is not None:
         local.append(cu_seqlens_padded.to(device=device, dtype=torch.int64))

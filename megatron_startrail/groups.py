@@ -21,6 +21,7 @@ import datetime
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
 import torch.distributed as dist
 
 from . import nccl_rules
@@ -28,7 +29,7 @@ from .comm import CommStats
 from .config import StarTrailConfig
 from .microbatch import MicroBatchCache
 from .topology import StarTrailTopology, check_team_size
-from .transport import ROLES, Transport, group_backend, transport_for
+from .transport import DEVICE_TYPES, ROLES, Transport, default_device_type, group_backend, transport_for
 
 
 
@@ -74,9 +75,13 @@ class StarTrailGroups:
     cp_group: object | None = None  # this rank's whole CP group (the packed-document agreement)
     transport: Transport | None = field(default=None, repr=False)  # every message of the attention
     cp_transport: Transport | None = field(default=None, repr=False)  # the same, P2P over the CP group
+    # ``transport`` and ``cp_transport`` for each device type the groups' backend carries
+    # ({"cpu": ..., "cuda": ...}): the attention takes the pair of its tensors' device
+    # (:meth:`transports_on`). ``transport`` above is the default device's (eager initialisation).
+    device_transports: dict = field(default_factory=dict, repr=False)
     config: StarTrailConfig = field(default_factory=StarTrailConfig)  # how the attention runs on these groups
     # Per-micro-batch packed-document metadata, shared by every layer (megatron_startrail.documents).
-    documents_cache: MicroBatchCache | None = field(default=None, repr=False)
+    documents_cache: MicroBatchCache = field(default_factory=MicroBatchCache, repr=False)
     last_forward_stats: CommStats | None = field(default=None, repr=False)
     last_backward_stats: CommStats | None = field(default=None, repr=False)
 
@@ -95,6 +100,22 @@ class StarTrailGroups:
     @property
     def kernel(self) -> str:
         return self.config.kernel
+
+    def transports_on(self, device: torch.device) -> tuple[Transport, Transport]:
+        """``(transport, cp_transport)`` for tensors on ``device``: chosen by the tensors, not by
+        whether this process sees a GPU (a group "cpu:gloo,cuda:nccl" carries CPU tensors on gloo
+        and CUDA tensors on NCCL, and torch's fake group stands in for either). Groups assembled
+        by hand without ``device_transports`` have one pair for every device; ValueError naming
+        the backend when the groups' backend carries no ``device`` tensors."""
+        if not self.device_transports:
+            return self.transport, self.cp_transport
+        pair = self.device_transports.get(torch.device(device).type)
+        if pair is None:
+            raise ValueError(f"StarTrail's attention got {torch.device(device).type} tensors, but its process "
+                             f"groups carry only {', '.join(sorted(self.device_transports))} tensors (backend "
+                             f"{dist.get_backend(self.startrail_group)!r}): run the attention on that device, or "
+                             f"create the groups with a backend for {torch.device(device).type}")
+        return pair
 
     def describe(self) -> str:
         t = self.topology
@@ -274,8 +295,15 @@ def _groups_of_this_rank(mine: dict, my_cp: list[int], config: StarTrailConfig) 
         audit = nccl_rules.RuleAudit({role: tuple(dist.get_process_group_ranks(g))
                                       for role, g in mine.items() if g is not None},
                                       groups={role: mine[role] for role in ROLES})  # names: the transport's order
-    transport = transport_for(mine, st_ranks, audit)
-    cp_transport = transport.on(("cp", "cp_twin"), tuple(my_cp))  # P2P between CP ranks (halo exchange)
+    device_transports = {}
+    for device_type in DEVICE_TYPES:
+        try:
+            transport = transport_for(mine, st_ranks, audit, device_type)
+        except ValueError:  # a mixed backend string without this device
+            continue
+        # P2P between CP ranks (halo exchange) over the same groups and audit
+        device_transports[device_type] = (transport, transport.on(("cp", "cp_twin"), tuple(my_cp)))
+    transport, cp_transport = device_transports[default_device_type()]
     return StarTrailGroups(
         topology=StarTrailTopology(len(st_ranks), config.team_size),
         cp_global_ranks=tuple(my_cp),
@@ -291,6 +319,7 @@ def _groups_of_this_rank(mine: dict, my_cp: list[int], config: StarTrailConfig) 
         cp_group=mine["cp"],
         transport=transport,
         cp_transport=cp_transport,
+        device_transports=device_transports,
         documents_cache=MicroBatchCache(),
         config=config,
     )

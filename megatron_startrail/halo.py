@@ -123,7 +123,7 @@ class _HaloAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, sink, groups, docs, plan: HaloPlan, window, causal, scale, kernel, fwd_stats, bwd_stats,
                 timeline):
         # q [n, b, h, dqk], k [n, b, hkv, dqk], v [n, b, hkv, dv]  (before any Ulysses all-to-all)
-        comm = Communicator(fwd_stats, groups.cp_transport, timeline)
+        comm = Communicator(fwd_stats, groups.transports_on(q.device)[1], timeline)
         kv = torch.cat([k, v], dim=-1)  # [n, b, hkv, dqk + dv]
         halos = [kv.new_empty((sum(b - a for a, b in ranges),) + kv.shape[1:]) for _, ranges in plan.recv]
         _exchange(comm, [(blocks.take_rows(kv, ranges).contiguous(), s) for s, ranges in plan.send],
@@ -159,7 +159,7 @@ class _HaloAttention(torch.autograd.Function):
             back.append((dkv_all[start : start + rows].contiguous(), s))
             start += rows
         got = [(dkv.new_empty((sum(b - a for a, b in ranges),) + dkv.shape[1:]), s) for s, ranges in plan.send]
-        _exchange(Communicator(bwd_stats, groups.cp_transport, timeline), back, got, op="halo_grad")
+        _exchange(Communicator(bwd_stats, groups.transports_on(dout.device)[1], timeline), back, got, op="halo_grad")
         for (buf, _), (_, ranges) in zip(got, plan.send):
             blocks.add_rows(dkv, buf, ranges)
         dtype = q.dtype

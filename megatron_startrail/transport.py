@@ -45,6 +45,7 @@ import torch.distributed as dist
 # role by role cannot deadlock).
 ROLES = ("ulysses", "startrail", "startrail_twin", "team", "cp", "cp_twin")
 CHANNELS = ("ring", "side")
+DEVICE_TYPES = ("cpu", "cuda")  # what a transport is chosen for (StarTrailGroups.transports_on)
 
 
 class Transport:
@@ -189,13 +190,20 @@ def backend_for_device(backend: str, device_type: str) -> str:
     return pairs[device_type]
 
 
+def default_device_type() -> str:
+    """Where Megatron runs when nothing says otherwise: cuda when this process sees a GPU, else
+    cpu. Only for choices made before any tensor exists (group creation, eager initialisation);
+    the attention itself goes by its tensors' device (``StarTrailGroups.transports_on``)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def group_backend(group=None, device_type: str | None = None) -> str:
     """The backend that carries the attention's tensors on ``group`` (default: the default
     group), for ``device_type`` (default: cuda when there is a GPU, as Megatron runs; else
     cpu): "gloo", "nccl", or what a mixed string such as "cpu:gloo,cuda:nccl" names for it.
     Every choice that depends on the backend (the transport, NCCL group options, the twin
     groups) asks here, so a mixed string means the same thing to all of them."""
-    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    device_type = device_type or default_device_type()
     reported = str(dist.get_backend(group)).lower()
     # torch's no-op group (e.g. "cpu:fake,meta:fake"): one process standing in for any rank (benchmarks/gpu_check)
     if "fake" in reported:

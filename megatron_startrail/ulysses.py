@@ -42,14 +42,14 @@ class _UlyssesExchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, groups, to_sequence, fwd_stats, bwd_stats, timeline):
         ctx.groups, ctx.to_sequence, ctx.bwd_stats, ctx.timeline = groups, to_sequence, bwd_stats, timeline
-        comm = Communicator(fwd_stats, groups.transport, timeline)
+        comm = Communicator(fwd_stats, groups.transports_on(x.device)[0], timeline)
         exchange = _seq_gather if to_sequence else _seq_scatter
         return exchange(x.contiguous(), comm, groups.ulysses_group, groups.ulysses_size)
 
     @staticmethod
     def backward(ctx, grad):
         groups = ctx.groups
-        comm = Communicator(ctx.bwd_stats, groups.transport, ctx.timeline)
+        comm = Communicator(ctx.bwd_stats, groups.transports_on(grad.device)[0], ctx.timeline)
         back = _seq_scatter if ctx.to_sequence else _seq_gather
         return back(grad.contiguous(), comm, groups.ulysses_group, groups.ulysses_size), None, None, None, None, None
 

@@ -3,6 +3,7 @@
 process group and no GPU: the backend string is what is under test."""
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from megatron_startrail import transport
@@ -60,3 +61,41 @@ def test_group_backend_is_the_one_answer_for_groups_and_megatron_options(monkeyp
     # (NCCL group options) ask group_backend, so a mixed string means the same to all of them.
     monkeypatch.setattr(dist, "get_backend", lambda group=None: reported)
     assert transport.group_backend(device_type=device_type) == expected
+
+
+def test_the_attention_takes_the_transport_of_its_tensors_device(monkeypatch):
+    # torch's fake group (every operation returns at once) stands in for a 4-rank world: the groups
+    # carry both devices; which transport posts is decided by the tensors, never by whether this
+    # process sees a GPU (a CUDA rehearsal on a CPU build: tests/fake_cuda).
+    import dataclasses
+
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from megatron_startrail import new_startrail_groups, startrail_attn
+
+    posts = []
+    for cls in (GlooTransport, NcclTransport):
+        monkeypatch.setattr(cls, "post", lambda self, *a, _post=cls.post, _cls=cls, **k: posts.append(_cls) or
+                            _post(self, *a, **k))
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+    try:
+        groups = new_startrail_groups(team_size=2, eager_init=False)
+        (gloo, gloo_cp), (nccl, nccl_cp) = groups.device_transports["cpu"], groups.device_transports["cuda"]
+        # (isinstance: the tests' checking mode wraps each class in one that audits NCCL's rules)
+        assert all(isinstance(t, GlooTransport) for t in (gloo, gloo_cp))
+        assert all(isinstance(t, NcclTransport) for t in (nccl, nccl_cp))
+        assert groups.transport is gloo and nccl_cp.p2p_roles == ("cp", "cp_twin")
+        q, k, v = (torch.randn(16, 1, 2, 8, requires_grad=True) for _ in range(3))
+
+        def posted_by(g):
+            posts.clear()
+            startrail_attn(q, k, v, g, causal=True).sum().backward()
+            return set(posts)
+
+        assert posted_by(groups) == {GlooTransport}
+        # The same CPU tensors, with groups whose CPU transport is NCCL's: NCCL's transport posts.
+        assert posted_by(dataclasses.replace(groups, device_transports={"cpu": (nccl, nccl_cp)})) == {NcclTransport}
+        with pytest.raises(ValueError, match="got cpu tensors, but its process groups carry only cuda"):
+            startrail_attn(q, k, v, dataclasses.replace(groups, device_transports={"cuda": (nccl, nccl_cp)}))
+    finally:
+        dist.destroy_process_group()
