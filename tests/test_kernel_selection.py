@@ -306,13 +306,12 @@ def test_flash_attn_adapter_refuses_what_an_unchecked_build_returns(monkeypatch)
 
 # --- the build probe: each backend's version and features, checked once per process -----------
 
+H100 = kernels.CudaDevice(capability=(9, 0), sdpa_flash=True, cudnn_version=0)  # sm90, torch's flash op, no cuDNN
+
+
 @pytest.fixture
 def fresh_probe(monkeypatch, caplog):
-    """An H100 as the probe sees it (sm90, torch's flash op), no cuDNN, empty probe caches; yields
-    pytest's log capture."""
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
-    monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
-    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: False)
+    """Empty probe caches; yields pytest's log capture. Tests probe :data:`H100`."""
     caches = (kernels._usable_cuda_backends, builds.build_problem, builds._log_once)
     for cache in caches:
         cache.cache_clear()
@@ -328,10 +327,10 @@ def probe_lines(caplog):
 
 def test_flash_attn_2_older_than_2_6_is_skipped_once_naming_version_and_lse_layout(monkeypatch, fresh_probe):
     flash_attn_fakes.install(monkeypatch, fa2="2.5.9")
-    usable = kernels._usable_cuda_backends(0)
+    usable = kernels._usable_cuda_backends(H100, 0)
     assert usable == {"torch_flash", "torch_efficient"}  # flash-attn dropped; FA3 not installed: not a candidate
     kernels._usable_cuda_backends.cache_clear()  # a second probe (another device, say) logs nothing new
-    assert kernels._usable_cuda_backends(0) == usable
+    assert kernels._usable_cuda_backends(H100, 0) == usable
     [line] = probe_lines(fresh_probe)
     assert "flash-attn 2.5.9" in line and "lse layout" in line and ">= 2.6" in line
     assert choose_kernel(req(available=usable)).name == "torch_cuda_flash"
@@ -341,7 +340,7 @@ def test_flash_attn_2_older_than_2_6_is_skipped_once_naming_version_and_lse_layo
 def test_flash_attn_2_without_a_version_is_skipped(monkeypatch, fresh_probe, version):
     flash_attn_fakes.install(monkeypatch, fa2="2.8.3")
     sys.modules["flash_attn"].__version__ = version
-    assert "flash_attn" not in kernels._usable_cuda_backends(0)
+    assert "flash_attn" not in kernels._usable_cuda_backends(H100, 0)
     [line] = probe_lines(fresh_probe)
     assert "flash-attn" in line and "a version to read" in line
 
@@ -600,3 +599,31 @@ def test_deterministic_mode_reaches_the_kernels(monkeypatch):
     out, lse = kernel.forward(q, k, v, call, scale=0.3)
     kernel.backward(torch.ones_like(out), q, k, v, out, lse, call, scale=0.3)
     assert seen == [("forward", True), ("backward", True)]
+
+
+# --- the device's facts: probed once per index, or told ---------------------------------------
+
+def test_a_cuda_device_is_probed_once_and_can_be_told_instead(monkeypatch, fresh_probe):
+    asked = []
+
+    def capability(index=None):
+        asked.append(index)
+        return (8, 0)
+
+    monkeypatch.setattr(kernels, "_CUDA_DEVICES", {})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
+    monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: False)
+    a100 = kernels.cuda_device(1)
+    assert a100 == kernels.CudaDevice((8, 0), True, 0) and kernels.cuda_device(1) is a100
+    assert asked == [1]  # once per index and process
+    # Told, device 0 is never asked about: the choice follows what it was told.
+    kernels.assume_cuda_device(0, H100)
+    assert kernels.usable_backends(torch.device("cuda", 0)) == {"torch_flash", "torch_efficient"}
+    assert asked == [1]
+    kernels.assume_cuda_device(0, H100)  # the same again: fine
+    with pytest.raises(ValueError, match="already taken as .*before the first attention call"):
+        kernels.assume_cuda_device(1, H100)  # device 1 was probed as an A100
+    old_gpu = kernels.CudaDevice((7, 0), False, 0)
+    kernels.assume_cuda_device(2, old_gpu)
+    assert kernels.usable_backends(torch.device("cuda", 2)) == {"torch_efficient"}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import importlib
 import warnings
+from dataclasses import dataclass
 
 import torch
 
@@ -32,14 +33,54 @@ def _importable(module: str) -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class CudaDevice:
+    """What the kernel choice needs to know of a GPU, beside the installed packages."""
+
+    capability: tuple[int, int]  # torch.cuda.get_device_capability: (8, 0) A100, (9, 0) H100/H200
+    sdpa_flash: bool  # torch was built with its flash-attention kernels
+    cudnn_version: int  # 0: no cuDNN
+
+    @staticmethod
+    def probe(index: int) -> CudaDevice:
+        """Asks torch about device ``index`` (the driver: only on a process that sees the GPU)."""
+        has_cudnn = torch.backends.cudnn.is_available()
+        return CudaDevice(tuple(torch.cuda.get_device_capability(index)),
+                          torch.backends.cuda.is_flash_attention_available(),
+                          (torch.backends.cudnn.version() or 0) if has_cudnn else 0)
+
+
+# Probed once per device index and process (what a GPU is cannot change while the process runs),
+# or told by assume_cuda_device. Plain facts: no tensors.
+_CUDA_DEVICES: dict[int, CudaDevice] = {}
+
+
+def cuda_device(index: int) -> CudaDevice:
+    """Device ``index`` as :func:`assume_cuda_device` was told, else probed on first use."""
+    if index not in _CUDA_DEVICES:
+        _CUDA_DEVICES[index] = CudaDevice.probe(index)
+    return _CUDA_DEVICES[index]
+
+
+def assume_cuda_device(index: int, device: CudaDevice) -> None:
+    """Choose kernels for device ``index`` as if it were ``device``, without asking the driver: a
+    rehearsal on fake CUDA tensors (tests/fake_cuda), or a launcher that knows its GPUs. Before
+    the first attention on that device; ValueError when it was already probed as another one."""
+    known = _CUDA_DEVICES.get(index)
+    if known is not None and known != device:
+        raise ValueError(f"CUDA device {index} was already taken as {known}; assume_cuda_device must come "
+                         f"before the first attention call on it")
+    _CUDA_DEVICES[index] = device
+
+
 @functools.lru_cache(maxsize=None)
-def _usable_cuda_backends(index: int) -> frozenset[str]:
+def _usable_cuda_backends(device: CudaDevice, index: int) -> frozenset[str]:
     # What the device could run, then what the installed builds do (an unfit build: one log line).
-    major, minor = torch.cuda.get_device_capability(index)
+    major, minor = device.capability
     usable = {"torch_efficient"}
-    if major >= 8 and torch.backends.cuda.is_flash_attention_available():
+    if major >= 8 and device.sdpa_flash:
         usable.add("torch_flash")
-    if major >= 8 and torch.backends.cudnn.is_available() and (torch.backends.cudnn.version() or 0) >= 90000:
+    if major >= 8 and device.cudnn_version >= 90000:
         usable.add("torch_cudnn")
     if major >= 8 and _importable("flash_attn.flash_attn_interface"):
         usable.add("flash_attn")
@@ -52,7 +93,8 @@ def usable_backends(device: torch.device) -> frozenset[str]:
     """The backends of :data:`~megatron_startrail.kernels.selection.BACKENDS` usable on ``device``."""
     if device.type != "cuda":
         return frozenset()
-    return _usable_cuda_backends(device.index if device.index is not None else torch.cuda.current_device())
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _usable_cuda_backends(cuda_device(index), index)
 
 
 def make_kernel(name: str, deterministic: bool = False) -> BlockKernel:
@@ -107,7 +149,7 @@ def kernel_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, name: str = "a
 
 
 __all__ = [
-    "BACKENDS", "BlockKernel", "KERNELS", "RULES", "KernelChoice", "KernelRequest", "ReferenceKernel",
+    "BACKENDS", "BlockKernel", "CudaDevice", "assume_cuda_device", "cuda_device", "KERNELS", "RULES", "KernelChoice", "KernelRequest", "ReferenceKernel",
     "TorchCPUFlashKernel", "check_kernel", "choose_kernel", "kernel_constraint", "kernel_for", "make_kernel",
     "usable_backends",
 ]
