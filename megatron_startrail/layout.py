@@ -101,11 +101,11 @@ class Documents:
     cu_seqlens_padded: tuple[int, ...] | None = None
 
 
-@functools.lru_cache(maxsize=64)
 def dense_sequence(cp_size: int, local_tokens: int) -> Documents:
-    """No document masking: one document covering the whole sequence. One object per shape for
-    the whole run, so what hangs on it (its kernel calls' metadata on the device,
-    :mod:`megatron_startrail.microbatch`) is made once, not once per layer."""
+    """No document masking: one document covering the whole sequence. A new object each call:
+    what hangs on it (its kernel calls' metadata on the device, :mod:`megatron_startrail.microbatch`)
+    lives as long as its holder, the groups' per-shape entry (:func:`megatron_startrail.documents.agree_on_documents`),
+    never as long as the process."""
     return Documents(cp_size, (0, cp_size * local_tokens))
 
 

@@ -90,7 +90,8 @@ def _drop_entry(entries_ref, key, dead_ref) -> None:
 # Where: on the Documents object (``docs.__dict__``, per device and batch size), which lives
 # while the micro-batch does -- held by the per-micro-batch cache until its ``cu_seqlens``
 # tensors go, and by the autograd graph until its backward is done. A dense run's Documents
-# is one object for the whole run (layout.dense_sequence), so its metadata is made once.
+# is one object per shape on the groups (an entry of their MicroBatchCache without tensors), so
+# its metadata is made once, and goes with the groups.
 
 _REQUESTS_PER_SHAPE = 1024  # distinct (q rows, k rows, mask) requests kept per (CP size, tokens)
 _SHAPES = 64  # (CP size, tokens) kept: runs whose sequence length varies (SFT) learn each anew

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import gc
 import random
+import weakref
 
 import pytest
 
@@ -57,7 +58,7 @@ def test_same_shapes_with_other_documents_one_after_another():
 
 
 def dense_batches_worker(rank, world_size):
-    """The dense layout of one shape (layout.dense_sequence, cached with its device metadata)
+    """The dense layout of one shape (one Documents object on the groups, with its device metadata)
     at batch 1, then 2, then 1 again."""
     groups = new_startrail_groups(team_size=2)
     failures = []
@@ -181,3 +182,24 @@ def test_a_packed_rope_layer_whose_forward_raised_holds_no_positions(monkeypatch
     with pytest.raises(RuntimeError, match="mid-forward"):
         layer.forward(torch.randn(4, 1, 16), None, rotary_pos_emb=freqs, packed_seq_params=params)
     assert layer._sample_layout_freqs is None and layer._rope_cp_group is None  # ...and cleared by the raise
+
+
+def dense_layout_lifetime_worker(rank, world_size):
+    """The dense layout of a shape and its device metadata are held by the groups, not the process."""
+    groups = new_startrail_groups(team_size=2)
+    q, k, v = (torch.randn(16, 1, 2, 8, requires_grad=True) for _ in range(3))
+    startrail_attn(q, k, v, groups, causal=True).sum().backward()
+    [dense] = [value for key, (_, value) in groups.documents_cache._entries.items() if key[0] == "dense"]
+    made_once = dense.__dict__.get("_device_calls") is not None  # the calls' metadata hangs on it
+    startrail_attn(q, k, v, groups, causal=True).sum().backward()
+    served_again = [v for key, (_, v) in groups.documents_cache._entries.items() if key[0] == "dense"] == [dense]
+    alive = weakref.ref(dense)
+    del dense, groups
+    gc.collect()
+    return made_once, served_again, alive() is None
+
+
+def test_the_dense_layout_lives_with_its_groups_not_the_process():
+    assert not hasattr(layout_module.dense_sequence, "cache_info")  # no process-lifetime cache of it
+    for made_once, served_again, gone in run_ranks(dense_layout_lifetime_worker, 4):
+        assert made_once and served_again and gone
