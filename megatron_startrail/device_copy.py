@@ -21,7 +21,7 @@ def pack_on_device(items, device) -> dict:
     host = torch.cat([torch.tensor(wide_values, dtype=torch.int64).view(torch.int32),
                       torch.tensor(narrow_values, dtype=torch.int32)])  # [2 * n64 + n32] int32
     device = torch.device(device)
-    if device.type == "cuda" and torch.cuda.is_available():
+    if device.type == "cuda":  # the tensors' device decides (not whether this process sees a GPU)
         host = host.pin_memory()  # a copy from pageable memory would be blocking
     buffer = host.to(device, non_blocking=True)
     out, wide_buffer, offset = {}, buffer[: 2 * len(wide_values)].view(torch.int64), 0

@@ -1,0 +1,22 @@
+"""Start a process under fake CUDA (parent side): the shim preloaded, the package on the path.
+
+``run_fake_cuda(shim, "tests.fake_cuda.matrix", "--json", path)`` runs ``python -m`` that module
+with ``LD_PRELOAD`` set, so torch registers the shim's CUDA device guard and hooks before it
+asks for them (it asks once per process: a shim loaded after ``import torch`` comes too late).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_fake_cuda(shim: Path, module: str, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    env = dict(os.environ, LD_PRELOAD=str(shim), PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
