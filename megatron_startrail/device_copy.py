@@ -9,6 +9,16 @@ from __future__ import annotations
 import torch
 
 
+def to_device(host: torch.Tensor, device) -> torch.Tensor:
+    """``host`` (a CPU tensor) on ``device`` in one non-blocking copy, from pinned memory when the
+    device is CUDA (a copy from pageable memory would block the host). The tensors' device
+    decides, not whether this process sees a GPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 def pack_on_device(items, device) -> dict:
     """``{(call, what, batch): tensor}`` for ``items`` (``KernelCall.values``: int64 indices,
     int32 ``cu_seqlens``), all views of ONE device tensor made by one copy (non-blocking and
@@ -20,10 +30,7 @@ def pack_on_device(items, device) -> dict:
     narrow_values = [x for call, what, batch in narrow for x in call.values(what, batch)]
     host = torch.cat([torch.tensor(wide_values, dtype=torch.int64).view(torch.int32),
                       torch.tensor(narrow_values, dtype=torch.int32)])  # [2 * n64 + n32] int32
-    device = torch.device(device)
-    if device.type == "cuda":  # the tensors' device decides (not whether this process sees a GPU)
-        host = host.pin_memory()  # a copy from pageable memory would be blocking
-    buffer = host.to(device, non_blocking=True)
+    buffer = to_device(host, device)
     out, wide_buffer, offset = {}, buffer[: 2 * len(wide_values)].view(torch.int64), 0
     for item in wide:
         n = len(item[0].values(item[1], item[2]))

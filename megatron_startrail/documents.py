@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from .comm import CommStats, Communicator
+from .device_copy import to_device
 from .groups import StarTrailGroups
 from .layout import Documents, dense_sequence, documents_from_cu_seqlens
 
@@ -93,11 +94,13 @@ def _agree(cu_seqlens, cu_seqlens_padded, local_tokens, batch, groups, stats, de
         error = (f"packed documents hold one packed sample per call, but batch = {batch}: flatten the "
                  f"micro-batch (Megatron's flatten_batch_for_packed_sequences) or pass [t, heads, dim]")
     fields = 8
-    vec = torch.zeros(fields, dtype=torch.int64, device=device)  # filled on the device: no host sync
-    vec[0], vec[1] = int(error is not None), local_tokens
-    if error is None:
-        vec[2], vec[3] = cu_seqlens.shape[0], int(cu_seqlens_padded is not None)
-        vec[4:8] = torch.stack(_fingerprint(cu_seqlens, device) + _fingerprint(cu_seqlens_padded, device))
+    # The fields the host knows go over in one non-blocking copy (setting them one by one on the
+    # device would be a blocking copy each); the fingerprints are made on the device: no host sync.
+    known = [int(error is not None), local_tokens]
+    known += [cu_seqlens.shape[0], int(cu_seqlens_padded is not None)] if error is None else [0, 0]
+    prints = (_fingerprint(cu_seqlens, device) + _fingerprint(cu_seqlens_padded, device) if error is None
+              else [torch.zeros((), dtype=torch.int64, device=device)] * 4)
+    vec = torch.cat([to_device(torch.tensor(known, dtype=torch.int64), device), torch.stack(prints)])  # [fields]
     both = torch.cat([vec, -vec])
     if cp > 1:
         both = Communicator(stats, groups.transports_on(device)[0]).all_reduce_max(both, group, cp, op=CHECK_OP)

@@ -45,7 +45,7 @@ import torch.distributed as dist
 # role by role cannot deadlock).
 ROLES = ("ulysses", "startrail", "startrail_twin", "team", "cp", "cp_twin")
 CHANNELS = ("ring", "side")
-DEVICE_TYPES = ("cpu", "cuda")  # what a transport is chosen for (StarTrailGroups.transports_on)
+DEVICE_TYPES = ("cpu", "cuda", "meta")  # what a transport is chosen for (StarTrailGroups.transports_on; meta: launch counts)
 
 
 class Transport:
