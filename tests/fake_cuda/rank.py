@@ -113,11 +113,17 @@ def shim_loaded() -> bool:
 
 
 def package_frame() -> str:
-    """``file:line function`` of the innermost frame of the package (or of the caller when none)."""
+    """``file:line function`` of the innermost frame of the package: relative to the package
+    (``documents.py:110 _agree``); else the innermost caller outside torch and this harness, with
+    its full path (a test's own op)."""
     frames = traceback.extract_stack()[:-2]
     mine = [f for f in frames if "/megatron_startrail/" in f.filename]
-    f = (mine or frames)[-1]
-    return f"{f.filename.split('/megatron_startrail/')[-1]}:{f.lineno} {f.name}"
+    if mine:
+        f = mine[-1]
+        return f"{f.filename.split('/megatron_startrail/')[-1]}:{f.lineno} {f.name}"
+    outside = [f for f in frames if "/torch/" not in f.filename and not f.filename.endswith("fake_cuda/rank.py")]
+    f = (outside or frames)[-1]
+    return f"{f.filename}:{f.lineno} {f.name}"
 
 
 @dataclass
@@ -213,7 +219,8 @@ def torch_cuda_answers(device: kernels.CudaDevice, asked_by: list):
     saved = torch.cuda.get_device_capability
 
     def capability(index=None):
-        asked_by.append(("torch.cuda.get_device_capability", package_frame()))
+        caller = traceback.extract_stack()[-2]
+        asked_by.append(("torch.cuda.get_device_capability", f"{caller.filename}:{caller.lineno}"))
         return device.capability
 
     torch.cuda.get_device_capability = capability

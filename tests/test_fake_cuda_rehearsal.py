@@ -1,0 +1,97 @@
+"""The GPU rehearsal: the package's CUDA branch on fake CUDA tensors (tests/fake_cuda).
+
+One child process, started with the shim preloaded, runs the attention's matrix
+(:mod:`tests.fake_cuda.matrix`: P 8/16 x C 1/2/4 x dense / sample / document x rotation q/kv x
+regathering, and the kernels torch_cuda_flash, torch_cuda_efficient and flash-attn 2.8.3 through
+an interface double that checks its C++ preconditions); the tests read what it recorded. Where
+no C++ compiler (or no torch headers) is at hand, they skip and say which.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.fake_cuda.build import build_shim, why_not_buildable
+from tests.fake_cuda.matrix import KERNEL_OPS, cases
+from tests.fake_cuda.run import run_fake_cuda
+
+
+@pytest.fixture(scope="session")
+def shim(tmp_path_factory):
+    why = why_not_buildable()
+    if why is not None:
+        pytest.skip(why)
+    return build_shim(tmp_path_factory.mktemp("fake_cuda"))
+
+
+def run_child(shim, tmp_path_factory, module: str):
+    out = tmp_path_factory.mktemp("rehearsal") / "out.json"
+    done = run_fake_cuda(shim, module, "--json", str(out))
+    assert done.returncode == 0 and out.exists(), done.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def matrix(shim, tmp_path_factory):
+    return run_child(shim, tmp_path_factory, "tests.fake_cuda.matrix")
+
+
+def failing(matrix, wrong):
+    """``case: what`` for every case where ``wrong(case record)`` says something (non-empty)."""
+    return [f"{r['case']}: {wrong(r)}" for r in matrix if wrong(r)]
+
+
+def test_every_case_ran(matrix):
+    assert sorted(tuple(r["case"].values()) for r in matrix) == sorted(cases())
+    assert len(matrix) == 84
+
+
+def test_nccl_transport_and_the_expected_kernel(matrix):
+    assert not failing(matrix, lambda r: r["transports"] != ["nccl"] and r["transports"])
+    assert not failing(matrix, lambda r: r["transports"] != ["nccl"] and "no communication")
+    assert not failing(matrix, lambda r: r["kernel_ops"] != sorted(KERNEL_OPS[r["case"]["kernel"]]) and
+                       f"kernel ops {r['kernel_ops']}")
+
+
+def test_no_op_on_mixed_devices(matrix):
+    assert not failing(matrix, lambda r: r["mixed"])
+
+
+def test_no_sync_but_the_packed_documents_agreement_once_per_micro_batch(matrix):
+    def wrong(r):
+        if r["case"]["layout"] == "dense":
+            return r["sync_sites"]
+        if len(r["sync_sites"]) != 1 or not r["sync_sites"][0].startswith("documents.py:"):
+            return r["sync_sites"]
+        return r["syncs_after_first_forward"]  # the later layers and the backward: none
+    assert not failing(matrix, wrong)
+    assert not failing(matrix, lambda r: r["d2h"])
+
+
+def test_at_most_two_non_blocking_pinned_copies_to_the_device_per_micro_batch(matrix):
+    assert not failing(matrix, lambda r: len(r["h2d"]) > 2 or [c for c in r["h2d"] if not
+                                                              (c["non_blocking"] and c["pinned"])])
+    # Dense runs reuse their layout's metadata (one per shape on the groups): no copy at all.
+    assert not failing(matrix, lambda r: r["case"]["layout"] == "dense" and r["h2d"])
+
+
+def test_merges_lse_and_head_group_sums_in_float32(matrix):
+    assert not failing(matrix, lambda r: r["precision"])
+
+
+def test_the_package_asks_torch_cuda_nothing_a_cpu_build_cannot_answer(matrix):
+    assert not failing(matrix, lambda r: r["cuda_queries"])
+
+
+def test_the_rules_catch_what_they_are_for(shim, tmp_path_factory):
+    got = run_child(shim, tmp_path_factory, "tests.fake_cuda.selfcheck")
+    assert got["known"] == 7  # a host read of a device value runs (its value followed on the CPU)...
+    assert [s[1].split(":")[0].rsplit("/", 2)[-2:] for s in got["syncs"]] == [["fake_cuda", "selfcheck.py"]]  # a sync
+    to_device, to_host = got["copies"]
+    assert (to_device["src"], to_device["non_blocking"], to_device["pinned"]) == ("cpu", False, False)
+    assert (to_host["src"], to_host["dst"]) == ("cuda", "cpu")
+    assert got["precision"] == [["merge", ["torch.bfloat16"], ["torch.bfloat16"]],
+                                ["sum", ["torch.bfloat16"], ["torch.bfloat16"]]]
+    assert [q[1] for q in got["cuda_queries"]] == ["/x/megatron_startrail/fake_module.py:2"]
