@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import tempfile
 import weakref
@@ -132,17 +133,19 @@ def measure(world: int, team: int, tokens: int, *, rotation: str = "auto", regat
     return row
 
 
-def configurations(tokens_list: list[int], worlds: list[int]) -> list[dict]:
+def configurations(tokens_list: list[int], worlds: list[int], teams=(1, 2, 4), extras: bool = True) -> list[dict]:
     """Every (P, C) with C*C dividing P, both rotations, regathering (C > 1; ring attention
     always regathers), and at the default rotation: sinks, a 4096-token window (the halo
     exchange) and one of half the sequence (beyond the halo's reach: the schedule)."""
     rows = []
     for tokens in tokens_list:
         for world in worlds:
-            for team in (t for t in (1, 2, 4) if world % (t * t) == 0):
+            for team in (t for t in teams if world % (t * t) == 0):
                 for rotation in ("q", "kv"):
                     for regather in (False, True) if team > 1 else (False,):
                         rows.append(dict(world=world, team=team, tokens=tokens, rotation=rotation, regather=regather))
+                if not extras:
+                    continue
                 rows.append(dict(world=world, team=team, tokens=tokens, sinks=True))
                 for window in (4096, tokens // 2):
                     rows.append(dict(world=world, team=team, tokens=tokens, window=window))
@@ -180,10 +183,10 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def child(out: str, tokens_list: list[int], worlds: list[int]) -> None:
+def child(out: str, tokens_list: list[int], worlds: list[int], teams, extras: bool) -> None:
     """Under the shim: measure every configuration (rank 1 of P) and write ``OUT.json``, ``OUT.md``."""
     rows = []
-    for config in configurations(tokens_list, worlds):
+    for config in configurations(tokens_list, worlds, teams, extras):
         config.setdefault("rotation", "auto")
         rows.append(measure(**config))
     Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -201,11 +204,18 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="benchmarks/results/fake_cuda_memory")
     parser.add_argument("--tokens", type=int, nargs="+", default=[2**17, 2**20])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[8, 16])
+    parser.add_argument("--team-sizes", type=int, nargs="+", default=[1, 2, 4], help="those whose square divides P")
+    parser.add_argument("--no-extras", action="store_true", help="without the sinks and windows rows")
     args = parser.parse_args(argv)
     from tests.fake_cuda.rank import shim_loaded  # noqa: PLC0415
     if shim_loaded():
-        child(args.out, args.tokens, args.world_sizes)
-        return 0
+        child(args.out, args.tokens, args.world_sizes, args.team_sizes, not args.no_extras)
+        # The results are written: leave without the interpreter's shutdown, where a thread
+        # left by the fake process group sometimes aborts it ("terminate called without an
+        # active exception").
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     from tests.fake_cuda.build import build_shim, why_not_buildable  # noqa: PLC0415
     from tests.fake_cuda.run import run_fake_cuda  # noqa: PLC0415
     if (why := why_not_buildable()) is not None:
