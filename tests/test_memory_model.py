@@ -1,5 +1,8 @@
 """The closed form of one layer's live bytes (megatron_startrail/planning/memory_model.py) against
-the measured peak (benchmarks/peak_memory.py: CPU allocator events, forked gloo ranks)."""
+the measured peak (benchmarks/peak_memory.py: CPU allocator events, forked gloo ranks; and
+benchmarks/fake_cuda_memory.py: GPU-scale shapes on fake CUDA)."""
+
+import json
 
 import pytest
 
@@ -24,17 +27,49 @@ def test_the_model_bounds_the_measured_peak(measured):
         assert 0.85 * model <= got <= 1.45 * model, (row["config"], got, model)
 
 
-def test_piece_major_rotation_q_peaks_near_ring_at_c4():
+@pytest.fixture(scope="module")
+def fake_cuda_rows(tmp_path_factory):
+    """benchmarks/fake_cuda_memory.py at P = 16 (ring and C = 4; both rotations, with and
+    without regathering), 128K tokens of bf16 GQA 32/8 x 128, rank 1, in a fake-CUDA process:
+    the order of allocations is the program's, not gloo's timing."""
+    from tests.fake_cuda.build import build_shim, why_not_buildable  # noqa: PLC0415
+    from tests.fake_cuda.run import run_fake_cuda  # noqa: PLC0415
+
+    if (why := why_not_buildable()) is not None:
+        pytest.skip(why)
+    out = tmp_path_factory.mktemp("fake_cuda_memory")
+    done = run_fake_cuda(build_shim(tmp_path_factory.mktemp("shim")), "benchmarks.fake_cuda_memory",
+                         "--out", str(out / "rows"), "--tokens", str(2**17), "--world-sizes", "16", "--team-sizes", "1", "4",
+                         "--no-extras",
+                         timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads((out / "rows.json").read_text())
+
+
+def test_fake_cuda_memory_matches_the_model(fake_cuda_rows):
+    # Kept: exactly the model's. Forward: within 5% (its moments are all modelled). Peak:
+    # never more than 5% above the model; the backward's kernel tile is modelled as a whole
+    # rank's float32 gradients, more than a team's bf16 one-chunk calls hold, so the model
+    # may be above by up to 10% (benchmarks/results/fake_cuda_memory.md).
+    for row in fake_cuda_rows:
+        model, what = row["model"], (row["team"], row["rotation"], row["regather"])
+        assert row["kept"] == model["kept"], what
+        assert abs(row["forward_peak"] / model["forward_peak"] - 1) <= 0.05, (what, row, model)
+        assert 0.90 * model["peak"] <= row["peak"] <= 1.05 * model["peak"], (what, row, model)
+        if row["team"] == 1:
+            assert abs(row["peak"] / model["peak"] - 1) <= 0.05, (what, row, model)
+
+
+def test_piece_major_rotation_q_backward_peaks_near_ring_at_c4(fake_cuda_rows):
     # P = 16, C = 4: sub-rings of one position, the piece-major backward (Note [piece-major
-    # rotation q] in backward.py): one piece of K, V, its dK, dV and one member's dQ live at
-    # a time. Before the piece-major backward rotation "q" peaked at 1.38x ring's (1.49x
-    # regathering). Overlapped, what is in flight at once depends on gloo's timing
-    # (benchmarks/results/peak_memory.md has it over runs; one run in a busy suite once peaked at
-    # 1.43x): the bound holds for the least of three runs, the one with the least in flight.
-    rows = run([16], [4], seq=1024, heads=4, dim=32, timeout=300, rotations=("q",), repeats=3)
-    peak = {row["config"]: row["peak_live_bytes_runs"][0] for row in rows}
-    assert peak["startrail-4 (rotation q)"] <= 1.3 * peak["ring"], peak
-    assert peak["startrail-4-regather (rotation q)"] <= 1.15 * peak["ring"], peak
+    # rotation q] in backward.py): one piece of K, V, its dK, dV and one member's dQ live at a
+    # time. Before it, rotation "q" peaked at 1.38x ring's (1.49x regathering). Its backward
+    # against ring attention's peak (at the rotation "auto" picks); with GQA the team's
+    # forward (team Q, C partials) is the higher phase at C = 4 and not what this bounds.
+    rows = {(r["team"], r["rotation"], r["regather"]): r for r in fake_cuda_rows}
+    ring = rows[(1, fake_cuda_rows[0]["auto_rotation"], False)]["peak"]
+    assert rows[(4, "q", False)]["backward_peak"] <= 1.3 * ring
+    assert rows[(4, "q", True)]["backward_peak"] <= 1.15 * ring
 
 
 def test_regathering_keeps_what_ring_keeps_and_the_model_says_so(measured):

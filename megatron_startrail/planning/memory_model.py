@@ -9,9 +9,13 @@ and dO are not), at the moment its phase holds the most (docs/design.md, "Memory
 
     phases 1-2                   C Ekv e (the initial send's landing) + init 2 Ekv e (two
                                  pieces being sent; C = 1: init Ekv e and this rank's k | v)
-    forward, sub-ring step 0     C Eq e  (team Q; 0 for C = 1)   + phases 1-2
-                                 + [G>1] C Ekv e (next hop)
-                                 + C (Eo + El) a (partial out, lse)    + kernel tile
+    forward, sub-ring            C Eq e  (team Q; 0 for C = 1) + the most of: step 0, phases
+                                 1-2 + [G>1] C Ekv e (next hop); steps >= 1 (G > 2), 3 C Ekv e
+                                 (the step-0 payload, still held, this step's, the next hop)
+                                 + C (Eo + El) a (partial out, lse) + forward call
+    forward, team merge (C > 1)  what the forward keeps (team K, V; team Q for "kv") + the
+                                 most of: C (Eo + El) a (partials) + C Eo e (their copy in the
+                                 input dtype, sent), and C Eo e (received) + 3 Eo a + 2 C El a
     backward, rotation "kv"      kept + [regathered] team Q, phases 1-2
                                  + C 2 Eo e + C El a  (team dO | out, lse)
                                  + C Eq a (dQ) + held K|V + 3 C Ekv a (dK|dV: this step's,
@@ -30,7 +34,11 @@ and dO are not), at the moment its phase holds the most (docs/design.md, "Memory
 
 "held" is a second copy of the circulating payload once it has moved (``G > 1``), two
 while the next one lands (``G > 2``). The kernel tile is one call's gradients (rows of one
-rank, :func:`megatron_startrail.blocks.backward_step`): ``(Eq + Ekv) a``. Backend buffers
+rank, :func:`megatron_startrail.blocks.backward_step`): ``(Eq + Ekv) a``. The forward call
+is one call's output and lse and the merge's float32 copy of that output
+(:func:`megatron_startrail.blocks.merge_lse_`): ``Eo (e + a) + 2 El a`` for ring attention,
+whose calls take a rank's two chunks at once, half that in a team (one chunk per call).
+``benchmarks/fake_cuda_memory.py`` measures all of it at GPU scale on fake CUDA. Backend buffers
 (gloo's staging copies of collectives, a fused kernel's workspace) are not modelled:
 ``benchmarks/memory.py`` measures them, and the tests bound the model's error against it.
 """
@@ -68,8 +76,20 @@ def layer_memory_bytes(shape: AttentionShape, *, cp_size: int, team_size: int, u
     # with C = 1 this rank's k | v is sent as it is, to a landing of its own.
     sending = init * (2 * ekv * e if c > 1 else team_kv)
     phases_1_2 = team_kv + sending
-    forward = (ulysses + team_q + phases_1_2 + (team_kv if g > 1 else 0)
-               + c * (eo + el) * a + (eo + el) * a)
+    # K, V in the sub-ring: step 0 the landing (and its sends) and the next hop; from step 1
+    # (G > 2) three: the step-0 payload (held by the forward, which keeps it or passes it to
+    # the sub-ring), the one attended to and the next hop landing.
+    kv_ring = max(phases_1_2 + (team_kv if g > 1 else 0), 3 * team_kv if g > 2 else 0)
+    # One forward kernel call: its output and lse, and the merge's float32 copy of the output
+    # and share (blocks.merge_lse_). Its rows: ring attention's calls take this rank's two
+    # chunks at once, a team's one chunk (half a rank's rows).
+    call = (eo * (e + a) + 2 * el * a) // (1 if c == 1 else 2)
+    partials = c * (eo + el) * a
+    forward = ulysses + team_q + kv_ring + partials + call
+    if c > 1:  # phase 4: the float32 partials beside their copy in the input dtype, then the merge
+        kept_in_forward = (0 if regathers else team_kv + (team_q if rotation == "kv" else 0))
+        merge = max(partials + c * eo * e, c * eo * e + 3 * eo * a + 2 * c * el * a)
+        forward = max(forward, ulysses + kept_in_forward + merge)
 
     held_copies = 0 if g == 1 else (1 if g == 2 else 2)
     accumulators = 3 if g > 1 else 1  # this step's, the one received, the one still being sent
