@@ -151,9 +151,15 @@ def token_batch(opts):
     return cp_shard(batch, parallel_state.get_context_parallel_group())
 
 
-def train_step(opts, model, optimizer, batch):
+def train_step(opts, model, optimizer, batch, memory: StorageBytes, marks: dict):
     """megatron.training's train_step for one micro-batch: zero the grad buffers, the schedule
-    (forward, backward, finalize_model_grads: the grad reduce-scatter over DP x CP), the step."""
+    (forward, backward, finalize_model_grads: the grad reduce-scatter over DP x CP), the step.
+    ``marks`` gets the live bytes and the peak so far at the end of the model's forward, of the
+    schedule (backward and grad reduce-scatter) and of the optimizer step."""
+
+    def mark(name):
+        marks[name] = {"live": memory.live, "peak_so_far": memory.peak}
+
     model.zero_grad_buffer()
     optimizer.zero_grad()
 
@@ -162,6 +168,7 @@ def train_step(opts, model, optimizer, batch):
         output = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
 
         def loss_func(output_tensor):
+            mark("forward_end")  # what the backward needs is held now, the per-token losses too
             mask = b["loss_mask"].reshape(-1)
             loss = (output_tensor.float().reshape(-1) * mask).sum()
             return loss, mask.sum().to(torch.int), {"lm loss": loss.detach()}
@@ -171,7 +178,9 @@ def train_step(opts, model, optimizer, batch):
     losses = get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iter([batch]), model=[model], num_microbatches=1,
         seq_length=opts.seq_length, micro_batch_size=1, forward_only=False)
+    mark("backward_end")
     update_successful, grad_norm, _ = optimizer.step()
+    mark("optimizer_end")
     return losses[0]["lm loss"], update_successful
 
 
@@ -204,7 +213,8 @@ def run(opts, cp: int, team: int) -> dict:
         live["with_batch"] = memory.live
         memory.reset_peak()
         start = time.perf_counter()
-        loss, updated = train_step(opts, model, optimizer, batch)
+        marks = {}
+        loss, updated = train_step(opts, model, optimizer, batch, memory, marks)
         seconds = time.perf_counter() - start
         live["after_step"] = memory.live
         peak = memory.peak
@@ -215,7 +225,7 @@ def run(opts, cp: int, team: int) -> dict:
     return {
         "cp": cp, "team": team, "rank": opts.rank, "seq_length": opts.seq_length,
         "shape": {k: getattr(opts, k) for k in ("layers", "hidden", "heads", "query_groups", "ffn", "vocab")},
-        "params": params, "moved_to_cuda_bf16": moved, "live_bytes": live, "peak_bytes": peak,
+        "params": params, "moved_to_cuda_bf16": moved, "live_bytes": live, "peak_bytes": peak, "step_marks": marks,
         "static_closed_form": static, "attention_activation_peak_planner": attention_bytes(opts, cp, team),
         # Beyond what the rank holds between steps: activations, logits, the step's temporaries.
         "transient_bytes": peak - live["after_step"],
