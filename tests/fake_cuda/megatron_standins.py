@@ -62,7 +62,7 @@ def one_by_one(group=None, device=None, async_ops=False):
 def to_device_bf16(module: torch.nn.Module) -> list[str]:
     """What megatron.training's get_model does with ``model.cuda()`` and Float16Module's
     ``module.bfloat16()``: every parameter on ``cuda:0`` in bf16 (the local spec's torch norms
-    are made on the CPU in fp32). By hand, because nn.Module._apply swaps the parameters of a
+    are made on the CPU: WrappedTorchNorm gives torch's norm no device). By hand, because nn.Module._apply swaps the parameters of a
     tensor subclass (FakeTensor) instead of assigning ``.data``, and the swap fails here; so
     Float16Module's own cast is then a no-op. Returns the names of the parameters moved."""
     moved = []

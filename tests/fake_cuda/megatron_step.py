@@ -169,6 +169,7 @@ def train_step(opts, model, optimizer, batch, memory: StorageBytes, marks: dict)
 
         def loss_func(output_tensor):
             mark("forward_end")  # what the backward needs is held now, the per-token losses too
+            marks["forward_end"]["by_op"] = memory.live_by_op()
             mask = b["loss_mask"].reshape(-1)
             loss = (output_tensor.float().reshape(-1) * mask).sum()
             return loss, mask.sum().to(torch.int), {"lm loss": loss.detach()}

@@ -31,20 +31,28 @@ class StorageBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type == self.device_type:
-                self._count(t.untyped_storage())
+                self._count(t.untyped_storage(), func)
         return out
 
-    def _count(self, storage) -> None:
+    def _count(self, storage, func) -> None:
         if storage in self._seen:
             return
         nbytes = storage.nbytes()
-        self._seen[storage] = nbytes
+        self._seen[storage] = (nbytes, func.__name__)
         self.live += nbytes
         self.peak = max(self.peak, self.live)
         weakref.finalize(storage, self._free, nbytes)
 
     def _free(self, nbytes: int) -> None:
         self.live -= nbytes
+
+    def live_by_op(self) -> dict[str, int]:
+        """Live bytes by the op that made each storage (``mm.default``: a linear layer's output,
+        ``_flash_attention_forward.default``: the kernel's), largest first."""
+        by_op: dict[str, int] = {}
+        for nbytes, op in list(self._seen.values()):
+            by_op[op] = by_op.get(op, 0) + nbytes
+        return dict(sorted(by_op.items(), key=lambda kv: -kv[1]))
 
     def reset_peak(self) -> None:
         self.peak = self.live
