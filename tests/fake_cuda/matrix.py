@@ -30,7 +30,7 @@ import torch
 from megatron_startrail import comm, new_startrail_groups, startrail_attn
 from megatron_startrail.transport import NcclTransport
 from tests.fake_cuda import flash_attn_double
-from tests.fake_cuda.rank import fake_cuda_rank
+from tests.fake_cuda.rank import fake_cuda_rank, is_package_frame
 
 aten = torch.ops.aten
 TOKENS, HEADS, KV_HEADS, DIM = 131072, 32, 8, 128
@@ -92,7 +92,7 @@ def run_case(p, c, layout, rotation, regather, kernel, rules) -> dict:
                 first = len(rules.syncs)
         torch.autograd.backward(outs, [torch.randn_like(o) for o in outs])
         record["syncs_after_first_forward"] += rules.syncs[first:]
-        package_copies = [c_ for c_ in rules.copies if not c_.where.startswith("/")]  # not the test's own
+        package_copies = [c_ for c_ in rules.copies if is_package_frame(c_.where)]  # not the test's own
         if micro_batch == 1:
             record["h2d"] = [vars(c_) for c_ in package_copies if (c_.src, c_.dst) == ("cpu", "cuda")]
         record["d2h"] += [vars(c_) for c_ in package_copies if (c_.src, c_.dst) == ("cuda", "cpu")]

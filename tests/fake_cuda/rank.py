@@ -12,6 +12,7 @@ every op for what costs a GPU a host sync or a copy.
 from __future__ import annotations
 
 import contextlib
+import os
 import traceback
 import weakref
 from collections import Counter
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_startrail import kernels
@@ -112,18 +114,25 @@ def shim_loaded() -> bool:
     return torch._C._get_accelerator().type == "cuda"
 
 
+# Frames never named as a cause: torch's own (dispatch, autograd, modes) and the rehearsal's modes.
+_MACHINERY = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep + "rank.py",
+              os.path.dirname(__file__) + os.sep + "memory.py")
+
+
 def package_frame() -> str:
-    """``file:line function`` of the innermost frame of the package: relative to the package
-    (``documents.py:110 _agree``); else the innermost caller outside torch and this harness, with
-    its full path (a test's own op)."""
+    """``file:line function`` of the innermost frame of the package (relative to it), or else of
+    the innermost caller outside torch and these modes (its full path: Megatron's, a test's)."""
     frames = traceback.extract_stack()[:-2]
     mine = [f for f in frames if "/megatron_startrail/" in f.filename]
-    if mine:
-        f = mine[-1]
-        return f"{f.filename.split('/megatron_startrail/')[-1]}:{f.lineno} {f.name}"
-    outside = [f for f in frames if "/torch/" not in f.filename and not f.filename.endswith("fake_cuda/rank.py")]
-    f = (outside or frames)[-1]
-    return f"{f.filename}:{f.lineno} {f.name}"
+    callers = [f for f in frames if not f.filename.startswith(_MACHINERY)]
+    f = (mine or callers or frames)[-1]
+    return f"{f.filename.split('/megatron_startrail/')[-1]}:{f.lineno} {f.name}"
+
+
+def is_package_frame(where: str) -> bool:
+    """Whether a :func:`package_frame` answer is a frame of the package (given relative to it;
+    any other frame by its full path)."""
+    return not where.startswith("/")
 
 
 @dataclass
@@ -149,6 +158,8 @@ class DeviceRules(TorchDispatchMode):
     cuda_queries: list = field(default_factory=list)
     precision: list = field(default_factory=list)  # (what, input float dtypes, output dtypes, frame)
     ops: Counter = field(default_factory=Counter)
+    stand_in_values: bool = False
+    stand_ins: list = field(default_factory=list)  # (dtype, value given, frame): see _host_value
 
     def __post_init__(self):
         super().__init__()
@@ -181,7 +192,7 @@ class DeviceRules(TorchDispatchMode):
         if func is aten.is_pinned.default:
             return self._is_pinned(args[0])
         if func is aten._local_scalar_dense.default:
-            return self.known.value(args[0], package_frame())
+            return self._host_value(args[0])
         out = func(*args, **kwargs)
         self.known.follow(func, args, kwargs, out)
         if func in PRECISION:
@@ -189,6 +200,19 @@ class DeviceRules(TorchDispatchMode):
             self.precision.append((PRECISION[func], tuple(t.dtype for t in tensors if t.is_floating_point()),
                                    tuple(t.dtype for t in outs), package_frame()))
         return out
+
+    def _host_value(self, t):
+        """The value a host read gets: known integers' values; with ``stand_in_values``, a stand-in
+        for an unknown float (1.0) or bool (False: no inf/NaN found) read outside the package
+        (Megatron's grad norm, torch's Adam step), recorded in ``stand_ins``. The package's own
+        reads of unknown values still raise, and so do unknown integers (sizes)."""
+        where = package_frame()
+        if self.stand_in_values and self.known.get(t) is None and not is_package_frame(where) \
+                and (t.is_floating_point() or t.dtype == torch.bool):
+            value = 1.0 if t.is_floating_point() else False
+            self.stand_ins.append((str(t.dtype), value, where))
+            return value
+        return self.known.value(t, where)
 
     def _copy(self, src, src_type, dst_type, non_blocking, host=None):
         host = src if src_type == "cpu" else host
@@ -206,8 +230,20 @@ class DeviceRules(TorchDispatchMode):
         return [c for c in self.copies if (c.src, c.dst) == ("cuda", "cpu")]
 
     def clear(self) -> None:
-        for record in (self.syncs, self.copies, self.mixed, self.precision, self.ops):
+        for record in (self.syncs, self.copies, self.mixed, self.precision, self.ops, self.stand_ins):
             record.clear()
+
+
+class PinnedFactories(TorchFunctionMode):
+    """``torch.tensor(..., pin_memory=True)`` (Megatron's RoPE and batch slicing) asks the CUDA
+    hooks for a pinned-memory allocator before any op dispatches, which the shim has not: made
+    unpinned, then pinned with ``.pin_memory()``, which :class:`DeviceRules` answers."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if not kwargs.pop("pin_memory", False):
+            return func(*args, **kwargs)
+        return func(*args, **kwargs).pin_memory()
 
 
 @contextlib.contextmanager
@@ -231,10 +267,13 @@ def torch_cuda_answers(device: kernels.CudaDevice, asked_by: list):
 
 
 @contextlib.contextmanager
-def fake_cuda_rank(rank: int, world: int, device: kernels.CudaDevice = H100):
+def fake_cuda_rank(rank: int, world: int, device: kernels.CudaDevice = H100, *, stand_in_values: bool = False):
     """This process as rank ``rank`` of ``world`` GPUs: yields ``(fake_mode, rules)``. Tensors made
     inside are FakeTensors; ``rules`` (:class:`DeviceRules`) has recorded every op on exit, and
-    ``rules.cuda_queries`` who asked torch.cuda what a CPU build cannot answer."""
+    ``rules.cuda_queries`` who asked torch.cuda what a CPU build cannot answer.
+    ``stand_in_values``: host reads of unknown floats and bools outside the package get a
+    stand-in value instead of an error (:meth:`DeviceRules._host_value`; a training step's
+    grad norm)."""
     if not shim_loaded():
         raise RuntimeError("fake CUDA needs the shim loaded before torch: start this process through "
                            "tests.fake_cuda.run (LD_PRELOAD=libfakecuda.so)")
@@ -242,10 +281,10 @@ def fake_cuda_rank(rank: int, world: int, device: kernels.CudaDevice = H100):
 
     kernels.assume_cuda_device(0, device)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    rules = DeviceRules()
+    rules = DeviceRules(stand_in_values=stand_in_values)
     try:
         with torch_cuda_answers(device, rules.cuda_queries), FakeTensorMode(allow_non_fake_inputs=False) as mode, \
-                rules:
+                rules, PinnedFactories():
             yield mode, rules
     finally:
         dist.destroy_process_group()
