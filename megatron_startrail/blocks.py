@@ -184,3 +184,5 @@ def backward_step(
         _add_into(dq, gq, call, "q")
         _add_into(dkv[..., :dqk], gk, call, "k")
         _add_into(dkv[..., dqk:], gv, call, "k")
+        # Freed before the next call's kernel runs (else two calls' gradients are live at once).
+        del gq, gk, gv

@@ -113,6 +113,14 @@ class _Contributions:
                 full[a:b].copy_(c)
 
 
+def _add_received(contrib: list[list[torch.Tensor]], received: list[list[torch.Tensor]]) -> None:
+    """``contrib += received``, tensor by tensor (a function of its own: a loop variable left
+    bound in :func:`rotate` would hold the received buffer through the next step)."""
+    for lane_c, lane_r in zip(contrib, received):
+        for c, r in zip(lane_c, lane_r):
+            c.add_(r)
+
+
 def rotate(
     comm: Communicator,
     lanes: Sequence[Lane],
@@ -162,9 +170,7 @@ def rotate(
             contrib = contribs.tensors
             if acc_pending is not None:
                 acc_pending.wait()
-                for lane_c, lane_r in zip(contrib, acc_in):
-                    for c, r in zip(lane_c, lane_r):
-                        c.add_(r)
+                _add_received(contrib, acc_in)
                 acc_in = home = None  # added in: free it before the next buffer is made
             if steps > 1:
                 acc_in = [[torch.empty_like(c) for c in lane_c] for lane_c in contrib]

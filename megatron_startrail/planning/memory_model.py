@@ -16,26 +16,37 @@ and dO are not), at the moment its phase holds the most (docs/design.md, "Memory
     forward, team merge (C > 1)  what the forward keeps (team K, V; team Q for "kv") + the
                                  most of: C (Eo + El) a (partials) + C Eo e (their copy in the
                                  input dtype, sent), and C Eo e (received) + 3 Eo a + 2 C El a
-    backward, rotation "kv"      kept + [regathered] team Q, phases 1-2
-                                 + C 2 Eo e + C El a  (team dO | out, lse)
-                                 + C Eq a (dQ) + held K|V + 3 C Ekv a (dK|dV: this step's,
-                                   the one received, the one still being sent)
-                                 + init C Ekv a (the reverse initial send landing)
-    backward, rotation "q"       kept + [regathered] phases 1-2
-    (streamed per member)        + C Ekv a (the fixed dK|dV) + one member's (Eq + 2 Eo) e + El a
-                                 + its held copies + 3 Eq a (its dQ accumulators)
-                                 + init C Ekv a (the reverse initial send landing)
+    backward, rotation "kv"      kept + [regathered] team Q, team K, V (G = 1: + init Ekv e,
+    (sub-ring step >= 1)         the last piece's send buffer) + C 2 Eo e + C El a (team
+                                 dO | out, lse) + C Eq a (dQ) + held K|V + dK|dV: G > 1,
+                                 3 C Ekv a (this step's, the previous one's being sent, the
+                                 one received); G = 1, (C + 1) Ekv a (the step's, assembled
+                                 from its pieces, and one piece's) + kernel call: its bf16
+                                 dQ, dK, dV and its dense copies of dO, out: ring (Eq + 2 Eo)
+                                 e + Ekv e / 2 (n query rows, a chunk of keys), team (Eq +
+                                 2 Eo) e / 2 + Ekv e (a chunk of queries, n keys)
+    backward, rotation "q"       kept + [regathered] team K, V (C = 1: phases 1-2)
+    (streamed per member,        + C Ekv a (the fixed dK|dV) + the most of: [C>1] one
+    sub-ring step >= 1)          member's (Eq + 2 Eo) e + El a (broadcast) + its held copies
+                                 + 3 Eq a (dQ accumulators), and (C > 1) the last pass's last
+                                 step: [not this rank's pass] one member's side + one held
+                                 copy + 3 Eq a + init Ekv a (piece 0's reverse landing)
+                                 + kernel call's bf16 gradients: ring (Eq + Ekv / 2) e,
+                                 team (Eq + Ekv) e (n query rows, n keys)
     backward, rotation "q",      kept + one member's (Eq + 2 Eo) e + El a + 2 Eq a (dQ)
     G = 1 (piece-major)          + the most, over pieces j, of [regathered] (1 + [j<C-1](1 +
                                  init)) Ekv e (pieces of K, V) + (1 + [j>=1](1 + init) +
-                                 [j>=2]) Ekv a (dK|dV: piece j's, [the previous one's sent and
-                                 back], own rows)
-    both                         + kernel tile
+                                 [j>=m+2]) Ekv a (dK|dV: piece j's, [the previous one's sent
+                                 and back], own rows, reduced once piece m+1 is sent back;
+                                 m this rank's member index) + kernel call (Eq / 2 + Ekv) e
 
 "held" is a second copy of the circulating payload once it has moved (``G > 1``), two
-while the next one lands (``G > 2``). The kernel tile is one call's gradients (rows of one
-rank, :func:`megatron_startrail.blocks.backward_step`): ``(Eq + Ekv) a``. The forward call
-is one call's output and lse and the merge's float32 copy of that output
+while the next one lands (``G > 2``). A backward kernel call's gradients are in the input
+dtype (:func:`megatron_startrail.blocks.backward_step` adds them into the float32
+accumulators and frees them before the next call); rotation "kv" hands the kernel dO and
+out as slices of the gathered dO | out, which it copies dense. The reverse initial send's
+landing comes after the sub-ring with rotation "kv" (the team's query side freed first):
+never at its peak. The forward call is one call's output and lse and the merge's float32 copy of that output
 (:func:`megatron_startrail.blocks.merge_lse_`): ``Eo (e + a) + 2 El a`` for ring attention,
 whose calls take a rank's two chunks at once, half that in a team (one chunk per call).
 ``benchmarks/fake_cuda_memory.py`` measures all of it at GPU scale on fake CUDA. Backend buffers
@@ -92,13 +103,25 @@ def layer_memory_bytes(shape: AttentionShape, *, cp_size: int, team_size: int, u
         forward = max(forward, ulysses + kept_in_forward + merge)
 
     held_copies = 0 if g == 1 else (1 if g == 2 else 2)
-    accumulators = 3 if g > 1 else 1  # this step's, the one received, the one still being sent
-    reverse = init * c * ekv * a  # the reverse initial send's landing pieces, at the end
+    # Gradient accumulators of the sub-ring (schedule.rotate): from step 1, this step's, the
+    # previous step's still being sent and the one received. G = 1: the step's gradients
+    # assembled from its pieces (C pieces) beside the one piece being computed.
+    member = topo.member_of(startrail_rank)
     if rotation == "kv":
-        regathered = (team_q + phases_1_2) if regathers else 0
+        # Regathered: team Q and the team's K, V landing (the pieces' send buffers are done
+        # with by then, except, G = 1, the last piece's, held by its transfer until step 0,
+        # the only step, ends).
+        regathered = (team_q + team_kv + (init * ekv * e if g == 1 else 0) if c > 1 else team_q + phases_1_2) \
+            if regathers else 0
         query_side = c * 2 * eo * e + (c * el * a if c > 1 else 0)
-        rotating = c * eq * a + held_copies * team_kv + accumulators * c * ekv * a
-        backward = ulysses + kept + regathered + query_side + rotating + reverse
+        dkv = 3 * c * ekv * a if g > 1 else (c + 1) * ekv * a
+        # One kernel call's bf16 gradients and its dense copies of dO and out (the fixed side
+        # holds them side by side): ring attention's calls take a rank's n query rows against
+        # one chunk (n/2) of keys, a team's one chunk of queries against a member's n keys.
+        call = (eq + 2 * eo) * e + ekv * e // 2 if c == 1 else (eq + 2 * eo) * e // 2 + ekv * e
+        # The reverse initial send's landing comes after the sub-ring, once the team's query
+        # side is freed: never at the peak.
+        backward = ulysses + kept + regathered + query_side + c * eq * a + held_copies * team_kv + dkv + call
     else:
         if not regathers and u == 1:
             kept -= eq * e  # rotation "q" keeps this rank's own q: the caller's tensor
@@ -106,21 +129,30 @@ def layer_memory_bytes(shape: AttentionShape, *, cp_size: int, team_size: int, u
         if topo.one_position_sub_rings:  # Note [piece-major rotation q]: one piece of K, V at a time
             # While piece j computes: K, V regathered: piece j, [the next one landing and
             # its send buffer]; dK, dV: piece j's, [the previous piece's, still being sent,
-            # and its reverse landing; this rank's own rows once reduced]. dQ: this
-            # member's and one block's.
+            # and its reverse landing; this rank's own rows, reduced once piece j-1 is sent
+            # back, after piece member+1's compute]. dQ: this member's and one block's.
             def pieces(j: int) -> int:
                 kv = (1 + (j < c - 1) * (1 + init)) * ekv * e if regathers else 0
-                # the previous piece still on its way back; this rank's own rows, once reduced
                 in_flight = (j >= 1) * (1 + init)
-                own_rows = j >= 2
+                own_rows = j >= member + 2
                 return kv + (1 + in_flight + own_rows) * ekv * a
 
-            backward = ulysses + kept + max(pieces(j) for j in range(c)) + side + 2 * eq * a
+            call = (eq // 2 + ekv) * e  # one call: a chunk of queries (n/2 rows), a piece's n keys
+            backward = ulysses + kept + max(pieces(j) for j in range(c)) + side + 2 * eq * a + call
         else:  # Note [streamed rotation q]: one member's query side at a time, K, V fixed
-            regathered = phases_1_2 if regathers else 0
-            passing = (side if c > 1 else 0) + held_copies * side + accumulators * eq * a
-            backward = ulysses + kept + regathered + c * ekv * a + passing + reverse
-    backward += (eq + ekv) * a  # one kernel call's gradients
+            # Regathered: the team's K, V landing (or ring attention's k | v and its send).
+            regathered = (team_kv if c > 1 else phases_1_2) if regathers else 0
+            # Steps >= 1 of a pass whose member is not this rank: its side broadcast here,
+            # held copies of it, 3 dQ accumulators (1 at G = 1: not streamed here).
+            accumulators = 3 * eq * a
+            passing = (side if c > 1 else 0) + held_copies * side + accumulators
+            if c > 1:  # the last pass's last step: no next hop landing, piece 0's reverse landing
+                last = (side if member != c - 1 else 0) + side + accumulators + init * ekv * a
+                passing = max(passing, last)
+            # One call's bf16 gradients: ring attention's take n query rows against a chunk
+            # (n/2) of keys; a team's streamed passes a member's n query rows against a piece's n.
+            call = (eq + ekv // 2) * e if c == 1 else (eq + ekv) * e
+            backward = ulysses + kept + regathered + c * ekv * a + passing + call
     return {"kept": kept, "forward_peak": forward, "backward_peak": backward, "peak": max(forward, backward)}
 
 
