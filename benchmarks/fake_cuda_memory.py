@@ -6,7 +6,7 @@ The parent builds the fake-CUDA shim (``tests/fake_cuda``) and reruns this modul
 one process is rank ``r`` of ``P`` H100s in turn (torch's fake process group: collectives and P2P
 return at once; FakeTensors: shapes and bytes, no compute). Each configuration runs one causal
 forward + backward of bf16 GQA attention (32 query heads, 8 KV heads, head dim 128, batch 1) after
-a warm-up, and :class:`LiveStorages` counts the bytes of every storage the ops create while it
+a warm-up, and :class:`tests.fake_cuda.memory.LiveStorages` counts the bytes of every storage the ops create while it
 lives -- what CUDA's caching allocator would have handed out, less its rounding:
 
 - ``kept``: live after the forward returns (its output and what autograd saved);
@@ -26,61 +26,15 @@ import json
 import os
 import sys
 import tempfile
-import weakref
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_startrail.accounting import AttentionShape, choose_backward_rotation
 from megatron_startrail.planning.memory_model import layer_memory_bytes
 
 GiB = 2**30
 HEADS, KV_HEADS, DIM = 32, 8, 128
-
-
-class LiveStorages(TorchDispatchMode):
-    """Bytes of the live storages created by ops while this mode is on, and their most per phase.
-
-    A storage is counted once (views and in-place results share it) and leaves when its Python
-    object dies: FakeTensors, and their storages, keep their Python objects as long as anything
-    (autograd's saved tensors, a pending P2P's buffer) holds them."""
-
-    def __init__(self, explain: bool = False) -> None:
-        super().__init__()
-        self.live, self.phase, self.peaks = 0, "forward", {}
-        self._storages: dict[int, tuple[weakref.ref, int, str]] = {}  # id -> (ref, bytes, what made it)
-        self.explain = explain  # keep, per phase, what was live at its peak (costs a stack per storage)
-        self.at_peak: dict[str, list[tuple[str, int]]] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        # A view or an in-place op returns a storage it was given: nothing new (and a view of a
-        # tensor made before, such as the caller's q, is not counted).
-        given = {id(a.untyped_storage()) for a in torch.utils._pytree.tree_leaves((args, kwargs))
-                 if isinstance(a, torch.Tensor)}
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in given:
-                self._add(t.untyped_storage(), func)
-        return out
-
-    def _add(self, storage, func) -> None:
-        key = id(storage)
-        if key in self._storages:
-            return
-        what = ""
-        if self.explain:
-            from tests.fake_cuda.rank import package_frame  # noqa: PLC0415
-            what = f"{func} at {package_frame()}"
-        self._storages[key] = (weakref.ref(storage, lambda _, key=key: self._remove(key)), storage.nbytes(), what)
-        self.live += storage.nbytes()
-        if self.live > self.peaks.get(self.phase, -1):
-            self.peaks[self.phase] = self.live
-            if self.explain:
-                self.at_peak[self.phase] = [(w, n) for _, n, w in self._storages.values()]
-
-    def _remove(self, key: int) -> None:
-        self.live -= self._storages.pop(key)[1]
 
 
 def measure(world: int, team: int, tokens: int, *, rotation: str = "auto", regather: bool = False,
@@ -114,6 +68,8 @@ def measure(world: int, team: int, tokens: int, *, rotation: str = "auto", regat
         gc.collect()
         gc.disable()  # nothing waits for the collector: a cycle holding a tensor would show
         try:
+            from tests.fake_cuda.memory import LiveStorages  # noqa: PLC0415 - inside the fake-CUDA process
+
             with LiveStorages(explain) as tracker:
                 layer(tracker)
         finally:

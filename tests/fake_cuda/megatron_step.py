@@ -11,7 +11,7 @@ this rank's share of the sequence. Nothing is computed: the step shows which cod
 GPU (kernel, transport), where the host waits for the device, and what the rank holds.
 
 Written to ``--json``: the live bytes after each phase and the step's peak
-(:class:`tests.fake_cuda.memory.StorageBytes`), the parameter count, the host syncs by
+(:class:`tests.fake_cuda.memory.LiveStorages`), the parameter count, the host syncs by
 frame, the mixed-device ops, the kernel and transport used, and the step's wall time.
 """
 
@@ -46,7 +46,7 @@ from megatron_startrail.megatron.arguments import add_startrail_args  # noqa: E4
 from megatron_startrail.megatron.from_args import startrail_spec_from_args  # noqa: E402
 from megatron_startrail.planning.memory_model import activation_peak_bytes  # noqa: E402
 from tests.fake_cuda.megatron_standins import megatron_on_fake_cuda, to_device_bf16  # noqa: E402
-from tests.fake_cuda.memory import StorageBytes  # noqa: E402
+from tests.fake_cuda.memory import LiveStorages  # noqa: E402
 from tests.fake_cuda.rank import fake_cuda_rank, is_package_frame  # noqa: E402
 from tests.megatron.utils import cp_shard  # noqa: E402
 
@@ -151,7 +151,7 @@ def token_batch(opts):
     return cp_shard(batch, parallel_state.get_context_parallel_group())
 
 
-def train_step(opts, model, optimizer, batch, memory: StorageBytes, marks: dict):
+def train_step(opts, model, optimizer, batch, memory: LiveStorages, marks: dict):
     """megatron.training's train_step for one micro-batch: zero the grad buffers, the schedule
     (forward, backward, finalize_model_grads: the grad reduce-scatter over DP x CP), the step.
     ``marks`` gets the live bytes and the peak so far at the end of the model's forward, of the
@@ -203,7 +203,8 @@ def run(opts, cp: int, team: int) -> dict:
     """One training step as rank ``opts.rank`` of a CP ``cp`` world with team size ``team``."""
     opts = argparse.Namespace(**{**vars(opts), "cp": cp, "team": team})
     config = gpt_config(opts)
-    with fake_cuda_rank(opts.rank, cp, stand_in_values=True) as (_, rules), StorageBytes() as memory, \
+    with fake_cuda_rank(opts.rank, cp, stand_in_values=True) as (_, rules), \
+            LiveStorages(device_type="cuda") as memory, \
             used_kernels_and_transports() as used:
         parallel_state.initialize_model_parallel(context_parallel_size=cp, create_gloo_process_groups=False)
         model_parallel_cuda_manual_seed(1234)

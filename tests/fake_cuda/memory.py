@@ -1,11 +1,13 @@
 """Live and peak bytes of device memory under fake CUDA (child side).
 
 FakeTensors allocate nothing, but each one's storage reports the bytes it would hold on the
-device (``untyped_storage().nbytes()``). :class:`StorageBytes` counts every storage an op
-hands back, once (views and in-place results share theirs), until the storage dies: the
-live bytes a caching allocator would have handed out, without its rounding and fragmentation,
-and their peak. torch keeps one Python object per storage while any tensor uses it, so a
-weak reference to it dies with the last tensor.
+device (``untyped_storage().nbytes()``). :class:`LiveStorages` counts every storage an op
+creates while the mode is on, once, until the storage dies: the live bytes a caching allocator
+would have handed out, without its rounding, fragmentation or a kernel's workspace. A view or an
+in-place result shares a storage it was given: nothing new (so a view of the caller's q, made
+before, is not counted). torch keeps one Python object per storage while any tensor uses it,
+so a weak reference to it dies with the last tensor (autograd's saved tensors, a pending P2P's
+buffer and the like hold it as long as they should).
 """
 
 from __future__ import annotations
@@ -14,45 +16,60 @@ import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.weak import WeakIdKeyDictionary
 
 
-class StorageBytes(TorchDispatchMode):
-    """Counts the storages on ``device_type`` created while the mode is on. ``live``: bytes
-    now; ``peak``: the most since the last :meth:`reset_peak`."""
+class LiveStorages(TorchDispatchMode):
+    """``live``: bytes now; ``peaks``: the most per ``phase`` (set it as the program moves on:
+    "forward", "backward", ...); ``peak``: the most of all since the last :meth:`reset_peak`.
+    ``device_type`` (default: every device) limits what is counted. With ``explain``, the live
+    set at each phase's peak, each storage with its op and package frame (a stack per storage)."""
 
-    def __init__(self, device_type: str = "cuda"):
+    def __init__(self, explain: bool = False, device_type: str | None = None) -> None:
         super().__init__()
-        self.device_type = device_type
-        self.live = self.peak = 0
-        self._seen = WeakIdKeyDictionary()
+        self.live, self.phase, self.peaks = 0, "forward", {}
+        self.device_type, self.explain = device_type, explain
+        self._storages: dict[int, tuple[weakref.ref, int, str]] = {}  # id -> (ref, bytes, what made it)
+        self.at_peak: dict[str, list[tuple[str, int]]] = {}
+
+    @property
+    def peak(self) -> int:
+        return max(self.peaks.values(), default=self.live)
+
+    def reset_peak(self) -> None:
+        self.peaks = {self.phase: self.live}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        given = {id(a.untyped_storage()) for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                 if isinstance(a, torch.Tensor)}
         for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type == self.device_type:
-                self._count(t.untyped_storage(), func)
+            if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in given and (
+                    self.device_type is None or t.device.type == self.device_type):
+                self._add(t.untyped_storage(), func)
         return out
 
-    def _count(self, storage, func) -> None:
-        if storage in self._seen:
+    def _add(self, storage, func) -> None:
+        key = id(storage)
+        if key in self._storages:
             return
-        nbytes = storage.nbytes()
-        self._seen[storage] = (nbytes, func.__name__)
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(storage, self._free, nbytes)
+        what = func.__name__
+        if self.explain:
+            from tests.fake_cuda.rank import package_frame  # noqa: PLC0415 - a stack per storage: only when asked
+            what = f"{func} at {package_frame()}"
+        self._storages[key] = (weakref.ref(storage, lambda _, key=key: self._remove(key)), storage.nbytes(), what)
+        self.live += storage.nbytes()
+        if self.live > self.peaks.get(self.phase, -1):
+            self.peaks[self.phase] = self.live
+            if self.explain:
+                self.at_peak[self.phase] = [(w, n) for _, n, w in self._storages.values()]
 
-    def _free(self, nbytes: int) -> None:
-        self.live -= nbytes
+    def _remove(self, key: int) -> None:
+        self.live -= self._storages.pop(key)[1]
 
     def live_by_op(self) -> dict[str, int]:
         """Live bytes by the op that made each storage (``mm.default``: a linear layer's output,
         ``_flash_attention_forward.default``: the kernel's), largest first."""
         by_op: dict[str, int] = {}
-        for nbytes, op in list(self._seen.values()):
-            by_op[op] = by_op.get(op, 0) + nbytes
+        for _, nbytes, what in list(self._storages.values()):
+            by_op[what] = by_op.get(what, 0) + nbytes
         return dict(sorted(by_op.items(), key=lambda kv: -kv[1]))
-
-    def reset_peak(self) -> None:
-        self.peak = self.live
