@@ -39,6 +39,7 @@ def why_not_buildable() -> str | None:
 def build_shim(out_dir: Path) -> Path:
     """``libfakecuda.so`` in ``out_dir`` (rebuilt when the source or torch changes)."""
     tag = hashlib.sha1(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
     lib = Path(out_dir) / f"libfakecuda-{tag}.so"
     if lib.exists():
         return lib
