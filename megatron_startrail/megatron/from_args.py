@@ -70,15 +70,16 @@ def startrail_groups_from_args(args) -> StarTrailGroups | DynamicCPGroups:
     groups, built_now = startrail_groups_once(options, dynamic=dynamic)
     if built_now and dist.get_rank() == 0:
         by = getattr(args, "startrail_dynamic_team_sizes_by", None) if dynamic else None
-        print(f"> {args.context_parallel_algo}: {describe_groups(groups)}{f', team sizes by {by}' if by else ''}",
+        print(f"> {args.context_parallel_algo}: {describe_groups(groups, f', team sizes by {by}' if by else '')}",
               flush=True)
     return groups
 
 
-def describe_groups(groups) -> str:
-    """One log line's worth: the groups and every setting they carry."""
+def describe_groups(groups, how_built: str = "") -> str:
+    """One log line's worth: the groups (then ``how_built``, e.g. how team sizes were chosen)
+    and every setting they carry."""
     config = groups.config
-    return (f"{groups.describe()}, transfer {config.transfer}, "
+    return (f"{groups.describe()}{how_built}, transfer {config.transfer}, "
             f"regather in backward {'on' if config.regather_in_backward else 'off'}, backward rotation "
             f"{config.backward_rotation}, kernel {config.kernel}, attention "
             f"{'recomputed' if config.recompute_attention else 'kept'} under recomputation")
