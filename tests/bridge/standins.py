@@ -14,6 +14,10 @@ modules keep the objects they bound at import, but every later ``import transfor
 keeps its CPU paths. A stand-in's attributes are placeholder classes: usable as base classes,
 decorators and default values at import time; calling one's method does nothing useful, and
 a test that reached one would fail loudly rather than compute.
+
+:func:`thd_get_partitioned_indices` stands in for the one Transformer Engine function that the
+packed-document path does call (megatron-core's per-document CP cut); the packed test sets it
+in its forked ranks only.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import importlib.abc
 import importlib.machinery
 import sys
 import types
+
+import torch
 
 # Top-level names Bridge imports at module level that are absent on a CPU machine.
 STANDIN_PACKAGES = (
@@ -40,15 +46,21 @@ def _under(name: str, roots) -> bool:
     return any(name == r or name.startswith(r + ".") for r in roots)
 
 
+def _placeholder_attribute(owner, attribute: str, module: str):
+    """A new placeholder class named ``attribute``, kept on ``owner`` (a stand-in module or a
+    placeholder class) so that the same name gives the same class; dunders stay missing."""
+    if attribute.startswith("__"):
+        raise AttributeError(attribute)
+    value = _PlaceholderType(attribute, (_Placeholder,), {"__module__": module})
+    setattr(owner, attribute, value)
+    return value
+
+
 class _PlaceholderType(abc.ABCMeta):  # ABCMeta: Bridge mixes placeholders with ABC
     """``te.ops.Sequential``: an attribute of a placeholder is a placeholder too."""
 
     def __getattr__(cls, attribute: str):
-        if attribute.startswith("__"):
-            raise AttributeError(attribute)
-        value = _PlaceholderType(attribute, (_Placeholder,), {"__module__": cls.__module__})
-        setattr(cls, attribute, value)
-        return value
+        return _placeholder_attribute(cls, attribute, cls.__module__)
 
 
 class _Placeholder(metaclass=_PlaceholderType):
@@ -68,11 +80,7 @@ class StandInModule(types.ModuleType):
         self.__version__ = "0.0.0"
 
     def __getattr__(self, attribute: str):
-        if attribute.startswith("__"):
-            raise AttributeError(attribute)
-        value = _PlaceholderType(attribute, (_Placeholder,), {"__module__": self.__name__})
-        setattr(self, attribute, value)
-        return value
+        return _placeholder_attribute(self, attribute, self.__name__)
 
 
 class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -111,3 +119,24 @@ def import_with_standins(*modules: str) -> list[types.ModuleType]:
     """Import ``modules`` (Bridge's) with the stand-ins in place; return them."""
     with standins():
         return [importlib.import_module(m) for m in modules]
+
+
+def thd_get_partitioned_indices(cu_seqlens: torch.Tensor, total_tokens: int, world_size: int, rank: int):
+    """Stand-in for Transformer Engine's ``tex.thd_get_partitioned_indices`` (GPU-only), which
+    megatron-core's per-document CP cut calls: the rows CP rank ``rank`` holds of a THD stream
+    whose documents (``cu_seqlens``, int ``[n_docs + 1]``, each length a multiple of
+    2*``world_size``) are each cut into 2*``world_size`` chunks, the rank taking chunks
+    ``rank`` and ``2*world_size-1-rank`` of every document, in document order. Returns int64
+    ``[total_tokens / world_size]`` (a stream that ends in padding past ``cu_seqlens[-1]`` is
+    not needed here and refused)."""
+    bounds = [int(b) for b in cu_seqlens.reshape(-1)]
+    if bounds[-1] != total_tokens:
+        raise ValueError("stand-in: the documents must fill the stream")
+    rows = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        chunk = (end - start) // (2 * world_size)
+        if chunk * 2 * world_size != end - start:
+            raise ValueError("stand-in: every document length must be a multiple of 2 * CP")
+        for piece in (rank, 2 * world_size - 1 - rank):
+            rows.append(torch.arange(start + piece * chunk, start + (piece + 1) * chunk))
+    return torch.cat(rows)
