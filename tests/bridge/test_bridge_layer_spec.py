@@ -7,14 +7,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.bridge.recipe_run import gpt_provider  # Bridge, imported with the stand-ins
-from megatron.core.packed_seq_params import PackedSeqParams
-from megatron.core.transformer.enums import AttnBackend
+from tests.bridge import require_bridge
 
-from megatron_startrail.bridge import startrail_layer_spec
-from megatron_startrail.bridge.checks import StarTrailBridgeError
-from megatron_startrail.bridge.packed_layout import BRIDGE_ATTENTION, as_document_layout
-from megatron_startrail.megatron.layer_specs import PACKED_DOCUMENT_ATTENTION
+require_bridge()
+
+# Bridge, imported with the stand-ins (recipe_run), then what the tests use
+from tests.bridge.recipe_run import gpt_provider  # noqa: E402
+from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
+from megatron.core.transformer.enums import AttnBackend  # noqa: E402
+
+from megatron_startrail.bridge import startrail_layer_spec  # noqa: E402
+from megatron_startrail.bridge.checks import StarTrailBridgeError  # noqa: E402
+from megatron_startrail.bridge.packed_layout import BRIDGE_ATTENTION, as_document_layout  # noqa: E402
+from megatron_startrail.megatron.layer_specs import PACKED_DOCUMENT_ATTENTION  # noqa: E402
 
 
 def provider(**settings):

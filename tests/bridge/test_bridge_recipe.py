@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.bridge.recipe_run import ITERS, run_recipe_rank
-from tests.megatron.utils import assert_first_step_grads_match, worst_grad_error
-from tests.multiproc import run_ranks
+from tests.bridge import require_bridge
+
+require_bridge()
+
+from tests.bridge.recipe_run import ITERS, run_recipe_rank  # noqa: E402
+from tests.megatron.utils import assert_first_step_grads_match, worst_grad_error  # noqa: E402
+from tests.multiproc import run_ranks  # noqa: E402
 
 
 def test_vanilla_gpt_recipe_with_startrail_cp4_gives_the_losses_and_gradients_of_cp1():
