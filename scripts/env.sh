@@ -44,9 +44,10 @@ fi
 BRIDGE_STAMP="$VENV/.startrail-bridge-v1"
 if [ "$MCORE" = "0.19.2" ] && [ ! -f "$BRIDGE_STAMP" ]; then
   echo "[env] installing megatron-bridge 0.6.2 into $VENV"
-  "$VENV/bin/pip" install -q --no-deps --ignore-requires-python "megatron-bridge==0.6.2"
-  "$VENV/bin/pip" install -q "transformers==5.12.1" "hydra-core==1.3.8" "omegaconf==2.3.1" \
+  # --no-warn-conflicts: pip would list every one of Bridge's requirements left out on purpose.
+  "$VENV/bin/pip" install -q --no-warn-conflicts "transformers==5.12.1" "hydra-core==1.3.8" "omegaconf==2.3.1" \
       rich six regex pyyaml tqdm
+  "$VENV/bin/pip" install -q --no-warn-conflicts --no-deps --ignore-requires-python "megatron-bridge==0.6.2"
   # None of these depends on torch or megatron-core; checked, as a changed pin would be a silent swap.
   "$VENV/bin/python" -c "import importlib.metadata as m, sys; v = (m.version('torch'), m.version('megatron-core')); \
 sys.exit(0 if v[0].startswith('2.13.0') and v[1] == '$MCORE' else f'[env] megatron-bridge step changed the pins: {v}')"
