@@ -118,7 +118,7 @@ def test_the_pure_layout_caches_answer_what_the_function_computes(name, argument
 
 
 def groups_from_args_worker(rank, world_size):
-    """Megatron's groups for the flags (from_args._built) for options A, then B, then A: each
+    """Megatron's groups for the flags (built_groups._built, through from_args) for options A, then B, then A: each
     call gets groups of its own options, and groups built before still attend correctly."""
     from megatron_startrail.megatron.from_args import startrail_groups_from_args  # noqa: PLC0415
 

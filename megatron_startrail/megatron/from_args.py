@@ -26,21 +26,14 @@ from __future__ import annotations
 import datetime
 
 import torch.distributed as dist
-from megatron.core import parallel_state
 
 from ..config import StarTrailConfig
 from ..groups import StarTrailGroups
-from .dynamic_cp import DynamicCPGroups, initialize_dynamic_startrail
+from .built_groups import startrail_groups_once
+from .dynamic_cp import DynamicCPGroups
 from .hybrid_specs import check_startrail_hybrid_pattern, to_startrail_hybrid_spec
 from .layer_specs import to_startrail_spec
 from .mtp_roll import install_startrail_mtp_roll
-from .parallel_state import initialize_startrail
-
-# (Megatron's CP group, the options, the groups built for them). Megatron keeps its process
-# groups in module globals; the StarTrail groups live exactly as long: rebuilt only when
-# Megatron's parallel state was re-initialized (a new CP group object) or the options change.
-# Holding the CP group object also keeps its id from being reused by a later one.
-_built: tuple[object, dict, StarTrailGroups] | None = None
 
 
 def megatron_rank_order(args) -> str:
@@ -49,8 +42,9 @@ def megatron_rank_order(args) -> str:
     return "tp-cp-ep-pp-dp" if getattr(args, "use_tp_pp_dp_mapping", False) else "tp-cp-ep-dp-pp"
 
 
-def _nccl_comm_cfgs(path: str | None) -> dict:
-    """``--nccl-communicator-config-path``'s YAML, as Megatron reads it for its own groups."""
+def nccl_comm_cfgs_from_path(path: str | None) -> dict:
+    """``--nccl-communicator-config-path``'s YAML (Bridge: ``dist.nccl_communicator_config_path``), as
+    Megatron reads it for its own groups."""
     if not path:
         return {}
     import yaml  # noqa: PLC0415 - only with the flag, as in Megatron
@@ -63,33 +57,32 @@ def startrail_groups_from_args(args) -> StarTrailGroups | DynamicCPGroups:
     """The StarTrail groups for the parsed flags: built on the first call (collective: every
     rank calls it in the same order, as Megatron builds models), reused after that. With
     ``--hybrid-context-parallel``: those of every CP size (:mod:`.dynamic_cp`)."""
-    global _built
-    if not parallel_state.model_parallel_is_initialized():
-        raise RuntimeError("call parallel_state.initialize_model_parallel before building the StarTrail layer spec")
     options = dict(
         config=config_from_args(args), order=megatron_rank_order(args),
         timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
-        nccl_comm_cfgs=_nccl_comm_cfgs(getattr(args, "nccl_communicator_config_path", None)),
+        nccl_comm_cfgs=nccl_comm_cfgs_from_path(getattr(args, "nccl_communicator_config_path", None)),
     )
-    cp_group = parallel_state.get_context_parallel_group()
     dynamic = getattr(args, "hybrid_context_parallel", False)  # a set of groups per CP size (dynamic_cp.py)
     if dynamic:
         options["team_sizes"] = getattr(args, "startrail_dynamic_team_sizes", None)
     if getattr(args, "mtp_num_layers", None):  # MTP trains as at CP = 1 (mtp_roll.py)
         install_startrail_mtp_roll()
-    if _built is None or _built[0] is not cp_group or _built[1] != options:
-        groups = (initialize_dynamic_startrail if dynamic else initialize_startrail)(**options)
-        _built = (cp_group, options, groups)
-        if dist.get_rank() == 0:
-            config = groups.config
-            by = getattr(args, "startrail_dynamic_team_sizes_by", None) if dynamic else None
-            print(f"> {args.context_parallel_algo}: {groups.describe()}{f', team sizes by {by}' if by else ''}, "
-                  f"transfer {config.transfer}, "
-                  f"regather in backward {'on' if config.regather_in_backward else 'off'}, backward rotation "
-                  f"{config.backward_rotation}, "
-                  f"kernel {config.kernel}, attention "
-                  f"{'recomputed' if config.recompute_attention else 'kept'} under recomputation", flush=True)
-    return _built[2]
+    groups, built_now = startrail_groups_once(options, dynamic=dynamic)
+    if built_now and dist.get_rank() == 0:
+        by = getattr(args, "startrail_dynamic_team_sizes_by", None) if dynamic else None
+        print(f"> {args.context_parallel_algo}: {describe_groups(groups, f', team sizes by {by}' if by else '')}",
+              flush=True)
+    return groups
+
+
+def describe_groups(groups, how_built: str = "") -> str:
+    """One log line's worth: the groups (then ``how_built``, e.g. how team sizes were chosen)
+    and every setting they carry."""
+    config = groups.config
+    return (f"{groups.describe()}{how_built}, transfer {config.transfer}, "
+            f"regather in backward {'on' if config.regather_in_backward else 'off'}, backward rotation "
+            f"{config.backward_rotation}, kernel {config.kernel}, attention "
+            f"{'recomputed' if config.recompute_attention else 'kept'} under recomputation")
 
 
 def config_from_args(args) -> StarTrailConfig:

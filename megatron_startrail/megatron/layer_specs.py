@@ -38,7 +38,7 @@ def startrail_core_attention(groups: StarTrailGroups):
     return CallableModuleSpec(module=StarTrailCoreAttention, params=dict(startrail_groups=groups))
 
 
-def to_startrail_spec(spec, groups: StarTrailGroups):
+def to_startrail_spec(spec, groups: StarTrailGroups, attention_modules: dict | None = None):
     """A copy of ``spec`` whose self-attention uses StarTrail core attention, configured by
     ``groups.config`` (a :class:`~megatron_startrail.config.StarTrailConfig`).
 
@@ -52,13 +52,18 @@ def to_startrail_spec(spec, groups: StarTrailGroups):
     both packed layouts, V at its own head dim); each is the same module otherwise.
     Everything else is unchanged.
 
+    ``attention_modules``: another map from Megatron's self-attention modules to theirs
+    (default :data:`PACKED_DOCUMENT_ATTENTION`; Megatron-Bridge's spec tells them Bridge's
+    packed layout, ``megatron_startrail/bridge/packed_layout.py``).
+
     MLA needs megatron-core 0.19 or newer: on an older one (0.16.1) a spec with an MLA layer
     raises :class:`~.versions.MegatronCoreTooOld` (``versions.py``).
     """
     if not has_full_support() and any(_is_mla(s) for s in _layer_specs(spec)):
         require_full_support("Multi-Latent Attention (--multi-latent-attention)",
                              "its MLASelfAttention has no _run_core_attention to hand V to StarTrail unpadded")
-    return with_core_attention(spec, startrail_core_attention(groups), PACKED_DOCUMENT_ATTENTION)
+    return with_core_attention(spec, startrail_core_attention(groups),
+                               PACKED_DOCUMENT_ATTENTION if attention_modules is None else attention_modules)
 
 
 def _layer_specs(spec) -> list:
