@@ -96,10 +96,10 @@ def _agree(cu_seqlens, cu_seqlens_padded, local_tokens, batch, groups, stats, de
     fields = 8
     # The fields the host knows go over in one non-blocking copy (setting them one by one on the
     # device would be a blocking copy each); the fingerprints are made on the device: no host sync.
-    known = [int(error is not None), local_tokens]
-    known += [cu_seqlens.shape[0], int(cu_seqlens_padded is not None)] if error is None else [0, 0]
-    prints = (_fingerprint(cu_seqlens, device) + _fingerprint(cu_seqlens_padded, device) if error is None
-              else [torch.zeros((), dtype=torch.int64, device=device)] * 4)
+    ok = error is None
+    known = [int(not ok), local_tokens]
+    known += [cu_seqlens.shape[0], int(cu_seqlens_padded is not None)] if ok else [0, 0]
+    prints = _fingerprint(cu_seqlens if ok else None, device) + _fingerprint(cu_seqlens_padded if ok else None, device)
     vec = torch.cat([to_device(torch.tensor(known, dtype=torch.int64), device), torch.stack(prints)])  # [fields]
     both = torch.cat([vec, -vec])
     if cp > 1:

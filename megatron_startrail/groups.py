@@ -73,11 +73,9 @@ class StarTrailGroups:
     # progress beside the sub-ring's hops instead of queueing behind them.
     startrail_twin_group: object | None = None
     cp_group: object | None = None  # this rank's whole CP group (the packed-document agreement)
-    transport: Transport | None = field(default=None, repr=False)  # every message of the attention
-    cp_transport: Transport | None = field(default=None, repr=False)  # the same, P2P over the CP group
-    # ``transport`` and ``cp_transport`` for each device type the groups' backend carries
-    # ({"cpu": ..., "cuda": ...}): the attention takes the pair of its tensors' device
-    # (:meth:`transports_on`). ``transport`` above is the default device's (eager initialisation).
+    # For each device type the groups' backend carries ({"cpu": ..., "cuda": ...}), the pair
+    # (transport of every message of the attention, the same with P2P over the CP group): the
+    # attention takes the pair of its tensors' device (:meth:`transports_on`).
     device_transports: dict = field(default_factory=dict, repr=False)
     config: StarTrailConfig = field(default_factory=StarTrailConfig)  # how the attention runs on these groups
     # Per-micro-batch packed-document metadata, shared by every layer (megatron_startrail.documents).
@@ -101,14 +99,21 @@ class StarTrailGroups:
     def kernel(self) -> str:
         return self.config.kernel
 
+    @property
+    def transport(self) -> Transport:
+        """The transport of the default device (:func:`~megatron_startrail.transport.default_device_type`):
+        for what runs before any tensor exists (the eager initialisation)."""
+        return self.transports_on(default_device_type())[0]
+
+    @property
+    def cp_transport(self) -> Transport:
+        return self.transports_on(default_device_type())[1]
+
     def transports_on(self, device: torch.device) -> tuple[Transport, Transport]:
         """``(transport, cp_transport)`` for tensors on ``device``: chosen by the tensors, not by
         whether this process sees a GPU (a group "cpu:gloo,cuda:nccl" carries CPU tensors on gloo
-        and CUDA tensors on NCCL, and torch's fake group stands in for either). Groups assembled
-        by hand without ``device_transports`` have one pair for every device; ValueError naming
+        and CUDA tensors on NCCL, and torch's fake group stands in for either); ValueError naming
         the backend when the groups' backend carries no ``device`` tensors."""
-        if not self.device_transports:
-            return self.transport, self.cp_transport
         pair = self.device_transports.get(torch.device(device).type)
         if pair is None:
             raise ValueError(f"StarTrail's attention got {torch.device(device).type} tensors, but its process "
@@ -303,7 +308,6 @@ def _groups_of_this_rank(mine: dict, my_cp: list[int], config: StarTrailConfig) 
             continue
         # P2P between CP ranks (halo exchange) over the same groups and audit
         device_transports[device_type] = (transport, transport.on(("cp", "cp_twin"), tuple(my_cp)))
-    transport, cp_transport = device_transports[default_device_type()]
     return StarTrailGroups(
         topology=StarTrailTopology(len(st_ranks), config.team_size),
         cp_global_ranks=tuple(my_cp),
@@ -317,8 +321,6 @@ def _groups_of_this_rank(mine: dict, my_cp: list[int], config: StarTrailConfig) 
         team_group=mine["team"],
         startrail_twin_group=mine["startrail_twin"],
         cp_group=mine["cp"],
-        transport=transport,
-        cp_transport=cp_transport,
         device_transports=device_transports,
         documents_cache=MicroBatchCache(),
         config=config,

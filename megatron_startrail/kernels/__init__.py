@@ -149,7 +149,8 @@ def kernel_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, name: str = "a
 
 
 __all__ = [
-    "BACKENDS", "BlockKernel", "CudaDevice", "assume_cuda_device", "cuda_device", "KERNELS", "RULES", "KernelChoice", "KernelRequest", "ReferenceKernel",
+    "BACKENDS", "BlockKernel", "CudaDevice", "KERNELS", "RULES", "KernelChoice", "KernelRequest", "ReferenceKernel",
+    "assume_cuda_device", "cuda_device",
     "TorchCPUFlashKernel", "check_kernel", "choose_kernel", "kernel_constraint", "kernel_for", "make_kernel",
     "usable_backends",
 ]
