@@ -9,8 +9,8 @@ What a case records (the test asserts on it):
 - ``transports``: the transport classes the attention communicated through;
 - ``kernel_ops``: the attention kernels' ops that ran (or the flash-attn double's calls);
 - ``mixed``: ops on tensors of more than one device;
-- ``syncs``: host syncs, with the package frame; ``syncs_after_first_forward``: those after the
-  first layer's forward of each micro-batch (the packed-document agreement is once per micro-batch);
+- ``sync_sites``: the package frames of host syncs; ``syncs_after_first_forward``: the syncs after
+  the first layer's forward of each micro-batch (the packed-document agreement is once per micro-batch);
 - ``h2d``: host-to-device copies of the second micro-batch (the first learns its requests), with
   non-blocking and pinned; ``d2h``: device-to-host copies from the package;
 - ``precision``: merges, lse and sums that are not float32 although their inputs are bf16;
@@ -74,7 +74,9 @@ def run_case(p, c, layout, rotation, regather, kernel, rules) -> dict:
                                   kernel=kernel, eager_init=False)
     n = TOKENS // p
     used = []
-    record = {"syncs_after_first_forward": [], "h2d": [], "d2h": []}
+    # Everything but "h2d" over both micro-batches (the dispatch records are cleared for each).
+    record = {"syncs_after_first_forward": [], "h2d": [], "d2h": [], "sync_sites": set(), "mixed": [],
+              "precision": [], "cuda_queries": []}
     for micro_batch in range(2):
         cu = padded = None
         if layout != "dense":
@@ -97,13 +99,11 @@ def run_case(p, c, layout, rotation, regather, kernel, rules) -> dict:
             record["h2d"] = [vars(c_) for c_ in package_copies if (c_.src, c_.dst) == ("cpu", "cuda")]
         record["d2h"] += [vars(c_) for c_ in package_copies if (c_.src, c_.dst) == ("cuda", "cpu")]
         used += [str(f) for f in rules.ops if str(f) in ATTENTION_OPS]
-    record.update(
-        syncs=rules.syncs[:1] + [s for s in rules.syncs if s != rules.syncs[0]],  # distinct enough, small
-        sync_sites=sorted({where for _, where in rules.syncs}),
-        mixed=rules.mixed,
-        precision=[r[0] + " " + r[3] + f" {r[1]}->{r[2]}" for r in rules.precision if not _fp32_where_due(r)],
-        cuda_queries=[who for _, who in rules.cuda_queries if "/megatron_startrail/" in who],
-    )
+        record["sync_sites"] |= {where for _, where in rules.syncs}
+        record["mixed"] += rules.mixed
+        record["precision"] += [f"{r[0]} {r[3]} {r[1]}->{r[2]}" for r in rules.precision if not _fp32_where_due(r)]
+        record["cuda_queries"] += [who for _, who in rules.cuda_queries if "/megatron_startrail/" in who]
+    record["sync_sites"] = sorted(record["sync_sites"])
     return record, sorted(set(used))
 
 
