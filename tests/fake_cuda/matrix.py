@@ -94,10 +94,9 @@ def run_case(p, c, layout, rotation, regather, kernel, rules) -> dict:
                 first = len(rules.syncs)
         torch.autograd.backward(outs, [torch.randn_like(o) for o in outs])
         record["syncs_after_first_forward"] += rules.syncs[first:]
-        package_copies = [c_ for c_ in rules.copies if is_package_frame(c_.where)]  # not the test's own
-        if micro_batch == 1:
-            record["h2d"] = [vars(c_) for c_ in package_copies if (c_.src, c_.dst) == ("cpu", "cuda")]
-        record["d2h"] += [vars(c_) for c_ in package_copies if (c_.src, c_.dst) == ("cuda", "cpu")]
+        if micro_batch == 1:  # the package's copies, not the test's own (its cu_seqlens)
+            record["h2d"] = [vars(c_) for c_ in rules.host_to_device() if is_package_frame(c_.where)]
+        record["d2h"] += [vars(c_) for c_ in rules.device_to_host() if is_package_frame(c_.where)]
         used += [str(f) for f in rules.ops if str(f) in ATTENTION_OPS]
         record["sync_sites"] |= {where for _, where in rules.syncs}
         record["mixed"] += rules.mixed
