@@ -102,12 +102,13 @@ class StarTrailGroups:
     @property
     def transport(self) -> Transport:
         """The transport of the default device (:func:`~megatron_startrail.transport.default_device_type`):
-        for what runs before any tensor exists (the eager initialisation)."""
-        return self.transports_on(default_device_type())[0]
+        for what runs before any tensor exists (the eager initialisation); the attention asks
+        :meth:`transports_on` its tensors' device."""
+        return self.device_transports[default_device_type()][0]
 
     @property
     def cp_transport(self) -> Transport:
-        return self.transports_on(default_device_type())[1]
+        return self.device_transports[default_device_type()][1]
 
     def transports_on(self, device: torch.device) -> tuple[Transport, Transport]:
         """``(transport, cp_transport)`` for tensors on ``device``: chosen by the tensors, not by
