@@ -38,7 +38,7 @@ import typing
 import torch
 from torch.overrides import TorchFunctionMode
 
-_state = {"mode": None}
+_state = {"applied": False, "mode": None}
 
 # Megatron modules of triton kernels that an ``import megatron.core`` / ``megatron.training``
 # reaches unguarded (``import triton`` at their top), with the constants importers read from
@@ -289,11 +289,17 @@ def _patch_megatron_training() -> None:
     training_loop.set_jit_fusion_options = lambda *args, **kwargs: None
 
 
-def apply() -> None:
-    """Patch megatron-core and ``torch.cuda`` for a CPU-only run; idempotent."""
+def apply(cuda_tensors_to_cpu: bool = True) -> None:
+    """Patch megatron-core and ``torch.cuda`` for a CPU-only run; idempotent. With
+    ``cuda_tensors_to_cpu=False`` the CUDA tensors Megatron makes stay CUDA tensors (no
+    :class:`CudaToCpuMode`): a rehearsal on fake CUDA (tests/fake_cuda) wants Megatron's answers
+    from ``torch.cuda`` but not its tensors moved."""
     if torch.cuda.is_available():
         raise RuntimeError("megatron_startrail.megatron.cpu_patches is for CPU-only runs; a GPU is present")
-    if _state["mode"] is not None:
+    if _state["applied"]:
+        if (_state["mode"] is not None) != cuda_tensors_to_cpu:
+            raise RuntimeError(f"cpu_patches were applied with cuda_tensors_to_cpu={not cuda_tensors_to_cpu}: "
+                               f"one process takes one of the two")
         return
     install_import_shims()
     _patch_rng_tracker()
@@ -317,13 +323,15 @@ def apply() -> None:
     torch.cuda.get_rng_state = lambda *a, **k: torch.empty(0, dtype=torch.uint8)
     torch.cuda.set_rng_state = lambda *a, **k: None
     _patch_megatron_training()
-    mode = CudaToCpuMode()
-    mode.__enter__()  # for the life of the process
-    _state["mode"] = mode
+    if cuda_tensors_to_cpu:
+        mode = CudaToCpuMode()
+        mode.__enter__()  # for the life of the process
+        _state["mode"] = mode
+    _state["applied"] = True
 
 
 def is_applied() -> bool:
-    return _state["mode"] is not None
+    return _state["applied"]
 
 
 # Fused CUDA/apex kernels that megatron.training turns on by default.

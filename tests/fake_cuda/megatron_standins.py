@@ -20,14 +20,13 @@ _installed = []
 
 def megatron_on_fake_cuda() -> None:
     """What Megatron asks ``torch.cuda`` that a CPU build cannot answer (the RNG tracker's CUDA
-    generator, streams, events, ``current_device``): ``cpu_patches.apply``'s stand-ins. All but
-    its ``CudaToCpuMode``, which sends every CUDA tensor to the CPU for the life of the process:
-    here the tensors are meant to be (fake) CUDA ones, so that one mode is left at once."""
-    if _installed:  # the mode below must be left once
+    generator, streams, events, ``current_device``): ``cpu_patches.apply``'s stand-ins, without
+    its ``CudaToCpuMode`` (which sends every CUDA tensor to the CPU): here the tensors are meant
+    to be (fake) CUDA ones."""
+    if _installed:
         return
     _installed.append(True)
-    cpu_patches.apply()
-    cpu_patches._state["mode"].__exit__(None, None, None)  # noqa: SLF001 - the one piece not wanted here
+    cpu_patches.apply(cuda_tensors_to_cpu=False)
     # Host objects go through the process group as pickled byte tensors, which the fake group
     # leaves unfilled (and FakeTensors hold no bytes to unpickle). Every rank of this world
     # builds the same model, so each rank's object is this one's (Megatron's optimizer checks

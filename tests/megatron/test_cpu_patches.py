@@ -159,3 +159,23 @@ def test_megatron_lm_main_training_imports_without_triton():
     assert line.split()[1].startswith(os.path.abspath(checkout)), line  # the checkout's megatron, not an installed one
     for name in ("megatron.core.ssm.ops.common.causal_conv1d_varlen", "megatron.core.ssm.ops.mamba2.batch_invariant_decode"):
         assert name in line, line
+
+
+def without_cuda_to_cpu_worker(rank, world_size):
+    from torch.overrides import _get_current_function_mode_stack
+
+    cpu_patches.apply(cuda_tensors_to_cpu=False)  # the fake-CUDA rehearsal's way (tests/fake_cuda)
+    cpu_patches.apply(cuda_tensors_to_cpu=False)  # idempotent
+    modes = [type(m).__name__ for m in _get_current_function_mode_stack()]
+    try:
+        cpu_patches.apply()  # the other way in the same process: refused
+        refused = None
+    except RuntimeError as err:
+        refused = str(err)
+    return cpu_patches.is_applied(), torch.cuda.current_device(), modes, refused
+
+
+def test_the_patches_can_leave_cuda_tensors_on_cuda():
+    ((applied, device, modes, refused),) = run_ranks(without_cuda_to_cpu_worker, 1, timeout=60)
+    assert applied and device == 0 and "CudaToCpuMode" not in modes
+    assert refused is not None and "cuda_tensors_to_cpu=False" in refused
