@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -163,21 +162,15 @@ def main(argv=None) -> int:
     parser.add_argument("--team-sizes", type=int, nargs="+", default=[1, 2, 4], help="those whose square divides P")
     parser.add_argument("--no-extras", action="store_true", help="without the sinks and windows rows")
     args = parser.parse_args(argv)
-    from tests.fake_cuda.rank import shim_loaded  # noqa: PLC0415
+    from tests.fake_cuda.rank import leave, shim_loaded  # noqa: PLC0415
     if shim_loaded():
         child(args.out, args.tokens, args.world_sizes, args.team_sizes, not args.no_extras)
-        # The results are written: leave without the interpreter's shutdown, where a thread
-        # left by the fake process group sometimes aborts it ("terminate called without an
-        # active exception").
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        leave()  # the results are written
     from tests.fake_cuda.build import build_shim, why_not_buildable  # noqa: PLC0415
     from tests.fake_cuda.run import run_fake_cuda  # noqa: PLC0415
     if (why := why_not_buildable()) is not None:
         sys.exit(f"fake CUDA is not available here: {why}")
     shim_dir = Path(tempfile.gettempdir()) / "startrail_fake_cuda"
-    shim_dir.mkdir(exist_ok=True)
     done = run_fake_cuda(build_shim(shim_dir), "benchmarks.fake_cuda_memory", *(argv if argv is not None else sys.argv[1:]))
     sys.stdout.write(done.stdout)
     sys.stderr.write(done.stderr)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import time
 
 import torch
@@ -30,7 +29,7 @@ import torch
 from megatron_startrail import comm, new_startrail_groups, startrail_attn
 from megatron_startrail.transport import NcclTransport
 from tests.fake_cuda import flash_attn_double
-from tests.fake_cuda.rank import fake_cuda_rank, is_package_frame
+from tests.fake_cuda.rank import fake_cuda_rank, is_package_frame, leave
 
 aten = torch.ops.aten
 TOKENS, HEADS, KV_HEADS, DIM = 131072, 32, 8, 128
@@ -148,10 +147,7 @@ def main(argv=None) -> None:
                 results.append(record)
     with open(args.json, "w") as f:
         json.dump(results, f, indent=1, default=str)
-        f.flush()
-    # Torch's fake process group and autograd's threads for the fake device are torn down at exit
-    # without harm but noisily ("terminate called without an active exception"): leave directly.
-    os._exit(0)
+    leave()
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import traceback
 import weakref
 from collections import Counter
@@ -108,6 +109,15 @@ class KnownIntegers:
                                f"whose values the fake-CUDA rehearsal does not know")
         with torch.utils._python_dispatch._disable_current_modes():
             return known.item()
+
+
+def leave() -> None:
+    """End a fake-CUDA child once its results are written: torch's fake process group and
+    autograd's threads for the fake device are torn down at interpreter exit without harm but
+    noisily ("terminate called without an active exception"), so the process leaves directly."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def shim_loaded() -> bool:
