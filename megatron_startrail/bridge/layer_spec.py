@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from ..config import StarTrailConfig
 from ..megatron.built_groups import startrail_groups_once
-from ..megatron.from_args import nccl_comm_cfgs_from_path, describe_groups
+from ..megatron.from_args import describe_groups, nccl_comm_cfgs_from_path
 from ..megatron.layer_specs import to_startrail_spec
 from ..megatron.mtp_roll import install_startrail_mtp_roll
 from ..megatron.parallel_state import DEFAULT_ORDER
