@@ -107,6 +107,15 @@ def _team_merge(comm, groups, partials: list[torch.Tensor], dtype, sink=None):
     return blocks.finished(out, lse, dtype, sink)  # [n, b, h, dv], [n, b, h]; the sinks after the last merge
 
 
+def layer_kernel(q, k, v, groups: StarTrailGroups, docs, causal: bool, window):
+    """The block kernel of one layer and micro-batch, for its class (kernels.measured): the
+    mask ("window" when ``window`` bounds anything, else "causal" or "none") and whether
+    ``docs`` packs documents. Host facts only: no sync."""
+    mask = "window" if window is not None else "causal" if causal else "none"
+    packed = len(docs.cu_seqlens) > 2 or docs.cu_seqlens_padded is not None
+    return kernel_for(q, k, v, groups.kernel, groups.config.deterministic, mask=mask, packed=packed)
+
+
 def regathers_for_free(groups: StarTrailGroups) -> bool:
     """Phases 1-2 move nothing on this rank (C = 1, initial send to itself: ring attention),
     so the backward always rebuilds their output from the inputs instead of keeping it."""
@@ -128,7 +137,7 @@ class _StarTrailAttention(torch.autograd.Function):
                 fwd_stats, bwd_stats, timeline, window):
         # q [n, b, h, dqk], k [n, b, hkv, dqk], v [n, b, hkv, dv]; n = len(my chunks) * L;
         # sink [h] or None (attention sinks of these heads, :mod:`.sinks`)
-        kernel = kernel_for(q, k, v, groups.kernel, groups.config.deterministic)
+        kernel = layer_kernel(q, k, v, groups, docs, causal, window)
         comm = Communicator(fwd_stats, groups.transports_on(q.device)[0], timeline)
         q_team, kv_init = gather_team_and_send(comm, groups, q, k, v, gather_op="team_all_gather",
                                                 send_op="init_send")
@@ -326,7 +335,7 @@ def _attend(q, k, v, sink, groups, docs, stats, timeline, *, causal, scale, tran
     fwd_stats, bwd_stats = stats
     plan = halo_plan(docs, window, causal, groups.cp_rank) if window is not None and halo else None
     if plan is not None:  # exchange just the keys the windows reach
-        kernel = kernel_for(q, k, v, groups.kernel, groups.config.deterministic)
+        kernel = layer_kernel(q, k, v, groups, docs, causal, window)
         return halo_attn(q, k, v, sink, groups, docs, plan, window, causal, scale, kernel, fwd_stats, bwd_stats,
                          timeline)
     rotation = _backward_rotation(groups, q, k, v)

@@ -221,7 +221,7 @@ class CountingKernel:
 
 def counting_worker(rank, world_size, team_size):
     counter = CountingKernel(TorchCPUFlashKernel())
-    attention.kernel_for = lambda q, k, v, name="auto", deterministic=False: counter  # this forked rank only
+    attention.kernel_for = lambda q, k, v, name="auto", deterministic=False, **layer_class: counter  # this forked rank only
     groups = new_startrail_groups(team_size=team_size)
     total = 2 * world_size * CHUNK
     one_per_chunk = torch.arange(0, total + 1, CHUNK, dtype=torch.int32)

@@ -3,7 +3,8 @@
 :func:`kernel_for` is what the schedule calls: it probes which backends this device can
 use (:func:`usable_backends`, once per device: importable, fit for the device's capability,
 and the installed build's version and behaviour checked by :mod:`.builds`), applies the pure
-rules of :func:`~megatron_startrail.kernels.selection.choose_kernel`, and builds the kernel.
+rules of :func:`~megatron_startrail.kernels.selection.choose_kernel` (on CUDA: the GPU's table
+of measured kernels, :mod:`.measured`, for the layer's class), and builds the kernel.
 :func:`check_kernel` runs the same rules without building anything; ``check_inputs``
 calls it so that a forced kernel that cannot take the inputs fails before any
 communication.
@@ -89,12 +90,25 @@ def _usable_cuda_backends(device: CudaDevice, index: int) -> frozenset[str]:
     return usable_builds(usable, torch.device("cuda", index))
 
 
+def _cuda_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def usable_backends(device: torch.device) -> frozenset[str]:
     """The backends of :data:`~megatron_startrail.kernels.selection.BACKENDS` usable on ``device``."""
     if device.type != "cuda":
         return frozenset()
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _cuda_index(device)
     return _usable_cuda_backends(cuda_device(index), index)
+
+
+def request_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: str = "causal",
+                packed: bool = False) -> KernelRequest:
+    """The :class:`KernelRequest` of these tensors on their device: the usable backends and, on
+    CUDA, the GPU's compute capability (both known after the first call: no driver query, no
+    sync). ``mask`` ("none", "causal", "window") and ``packed`` are the layer's class."""
+    capability = cuda_device(_cuda_index(q.device)).capability if q.device.type == "cuda" else None
+    return KernelRequest.of(q, k, v, usable_backends(q.device), mask=mask, packed=packed, capability=capability)
 
 
 def make_kernel(name: str, deterministic: bool = False) -> BlockKernel:
@@ -139,18 +153,20 @@ def _choose(request: KernelRequest, name: str) -> KernelChoice:
 def check_kernel(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> KernelChoice:
     """The choice for q ``[..., h, d_qk]``, k ``[..., hkv, d_qk]``, v ``[..., hkv, d_v]``; ValueError
     naming ``--startrail-kernel`` when a forced ``name`` cannot take them. Communicates nothing."""
-    return choose_kernel(KernelRequest.of(q, k, v, usable_backends(q.device)), name)
+    return choose_kernel(request_for(q, k, v), name)
 
 
 def kernel_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, name: str = "auto",
-               deterministic: bool = False) -> BlockKernel:
-    """The block kernel for these tensors (heads at dim -2, head dim last)."""
-    return make_kernel(_choose(KernelRequest.of(q, k, v, usable_backends(q.device)), name).name, deterministic)
+               deterministic: bool = False, *, mask: str = "causal", packed: bool = False) -> BlockKernel:
+    """The block kernel for these tensors (heads at dim -2, head dim last) in a layer of this
+    class (``mask``: "none", "causal" or "window"; ``packed``: documents). Once per layer and
+    micro-batch, outside the block loop."""
+    return make_kernel(_choose(request_for(q, k, v, mask=mask, packed=packed), name).name, deterministic)
 
 
 __all__ = [
     "BACKENDS", "BlockKernel", "CudaDevice", "KERNELS", "RULES", "KernelChoice", "KernelRequest", "ReferenceKernel",
     "assume_cuda_device", "cuda_device",
     "TorchCPUFlashKernel", "check_kernel", "choose_kernel", "kernel_constraint", "kernel_for", "make_kernel",
-    "usable_backends",
+    "request_for", "usable_backends",
 ]
