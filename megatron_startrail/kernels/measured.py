@@ -39,7 +39,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-H100 = "benchmarks/results/gpu/h100-2026-11-27/"  # measured on 9ee7a82
+# The H100 run of 2026-11-27, on 9ee7a82 (benchmarks/results/gpu/h100-2026-11-27/README.md)
+ACCURACY = "benchmarks/results/gpu/h100-2026-11-27/accuracy.md"
+TIMING = "benchmarks/results/gpu/h100-2026-11-27/timing_rank_transport.md"
+NOTES = "benchmarks/results/gpu/h100-2026-11-27/README.md"
+EXPERIMENT = "benchmarks/results/gpu/h100-2026-11-27/efficient_experiment.jsonl"
 MASKS = ("none", "causal", "window")
 HEAD_DIMS = ("<=128", "<=256", ">256")
 BATCHES = ("1", ">1")
@@ -97,44 +101,44 @@ _EFFICIENT_HALF_BATCH = ClassRule(
     "torch_cuda_efficient", HALF, ANY, ANY, ANY, (">1",),
     "torch_cuda_efficient is left out in half precision at batch > 1 until a GPU confirms the fixed adapter: "
     "wrong dQ/dK on the H100 (bf16 batch 2: dQ 0.36, dK 0.25 relative error vs float64; square causal 1000 x 1000: "
-    f"dQ 2.1, dK 1.5; {H100}accuracy.md, {H100}efficient_experiment.jsonl)")
+    f"dQ 2.1, dK 1.5; {ACCURACY}, {EXPERIMENT})")
 _EFFICIENT_MASKED = ClassRule(
     "torch_cuda_efficient", ("bf16", "fp16", "fp32"), ANY, ("causal", "window"), ANY, ANY,
     "torch_cuda_efficient is left out for masked layers until a GPU confirms the fixed adapter: every masked call "
     "(causal, band, cut edge) raised on the H100, 'attn_bias is not correctly aligned (strideM). "
-    f"attn_bias.stride(2) = 1005' ({H100}accuracy.md)")
+    f"attn_bias.stride(2) = 1005' ({ACCURACY})")
 _EFFICIENT_UNMEASURED = (
     ClassRule("torch_cuda_efficient", HALF, ANY, ANY, ANY, ("1",),
               "torch_cuda_efficient is not picked in half precision on sm90: cuDNN and FlashAttention serve there, "
               "and it was measured at batch 1 only in one-sequence bf16 calls (dQ 4.8e-3, head dims unrecorded; "
-              f"{H100}efficient_experiment.jsonl), not at head dims over 256"),
+              f"{EXPERIMENT}), not at head dims over 256"),
     ClassRule("torch_cuda_efficient", ("fp32",), (">256",), ANY, ANY, ANY,
               "torch_cuda_efficient is unmeasured at head dims over 256 (the H100's float32 rows are 128/128 and "
-              f"192/128; {H100}accuracy.md)"),
+              f"192/128; {ACCURACY})"),
 )
 _UNMEASURED_FLASH_ATTN = tuple(ClassRule(
     name, HALF, ANY, ANY, ANY, ANY,
-    f"{name} is unmeasured on sm90 (not installed on the H100 of 2026-11-27: SKIP rows in {H100}accuracy.md); "
+    f"{name} is unmeasured on sm90 (not installed on the H100 of 2026-11-27: SKIP rows in {ACCURACY}); "
     f"it enters auto when a committed GPU table shows it PASS; --startrail-kernel {name} forces it")
     for name in ("flash_attn_3", "flash_attn"))
 
 SM90 = DeviceTable("sm90 (H100/H200)", True, (
     ClassRule("torch_cuda_cudnn", HALF, ("<=128",), ("none", "causal"), (False,), ANY,
               "torch_cuda_cudnn: fwd+bwd causal 1x16x8192x128 bf16 2.58 ms vs torch_cuda_flash 3.72 ms (full: 3.96 vs "
-              f"6.44 ms; {H100}timing_rank_transport.md), one rank P8 C2 at 128K 66.6 vs 101.9 ms ({H100}README.md), "
+              f"6.44 ms; {TIMING}), one rank P8 C2 at 128K 66.6 vs 101.9 ms ({NOTES}), "
               "H100 2026-11-27; PASS in every bf16/fp16 row at head dims 128/128 (no mask, causal, band, cut edge; MHA "
-              f"and GQA; batch 2; {H100}accuracy.md); {BATCH_1_NOTE}"),
+              f"and GQA; batch 2; {ACCURACY}); {BATCH_1_NOTE}"),
     ClassRule("torch_cuda_flash", HALF, ("<=128", "<=256"), ANY, ANY, ANY,
               "torch_cuda_flash: one launch per variable-length call, windows native; PASS in every bf16/fp16 row at "
               "head dims 128/128 and 192/128 (no mask, causal, band, cut edge; MHA and GQA; batch 2; "
-              f"{H100}accuracy.md); fwd+bwd causal 1x16x8192 bf16 3.72 ms at 128/128, 5.87 ms at 192/128 "
-              f"({H100}timing_rank_transport.md); it serves packed documents, windows and head dims over 128, where "
+              f"{ACCURACY}); fwd+bwd causal 1x16x8192 bf16 3.72 ms at 128/128, 5.87 ms at 192/128 "
+              f"({TIMING}); it serves packed documents, windows and head dims over 128, where "
               "the cuDNN adapter loops over a call's sequences with a [sq, sk] bias (its speed there unmeasured) or "
               f"takes nothing (head dims up to 128: SKIP rows); {BATCH_1_NOTE}"),
     ClassRule("torch_cuda_efficient", ("fp32",), ("<=128", "<=256"), ("none",), ANY, ANY,
               "torch_cuda_efficient: the only fused kernel for float32; PASS in float32 without a mask at head dims "
-              f"128/128 and 192/128, batch 2, MHA and GQA (dQ 2e-6; {H100}accuracy.md); float32 batch 1 one sequence: "
-              f"2e-6 ({H100}efficient_experiment.jsonl); {BATCH_1_NOTE}"),
+              f"128/128 and 192/128, batch 2, MHA and GQA (dQ 2e-6; {ACCURACY}); float32 batch 1 one sequence: "
+              f"2e-6 ({EXPERIMENT}); {BATCH_1_NOTE}"),
 ), (_EFFICIENT_HALF_BATCH, _EFFICIENT_MASKED, *_UNMEASURED_FLASH_ATTN, *_EFFICIENT_UNMEASURED))
 
 _GUESS = ("unmeasured on this device (no GPU table of it is committed: no A100 run yet), so a conservative order: "
@@ -142,14 +146,14 @@ _GUESS = ("unmeasured on this device (no GPU table of it is committed: no A100 r
 UNMEASURED = DeviceTable("unmeasured (sm80 A100 and others)", False, (
     ClassRule("flash_attn", HALF, ("<=128", "<=256"), ANY, ANY, ANY,
               f"flash_attn: {_GUESS}; FlashAttention-2 is the kernel sm80 was built for (its adapter is unmeasured on "
-              f"every GPU so far: SKIP rows in {H100}accuracy.md)"),
+              f"every GPU so far: SKIP rows in {ACCURACY})"),
     ClassRule("torch_cuda_flash", HALF, ("<=128", "<=256"), ANY, ANY, ANY,
-              f"torch_cuda_flash: {_GUESS}; PASS in every bf16/fp16 row on the H100 ({H100}accuracy.md)"),
+              f"torch_cuda_flash: {_GUESS}; PASS in every bf16/fp16 row on the H100 ({ACCURACY})"),
     ClassRule("torch_cuda_efficient", ("fp32",), ANY, ("none",), ANY, ANY,
-              f"torch_cuda_efficient: {_GUESS}; PASS in float32 without a mask on the H100 ({H100}accuracy.md)"),
+              f"torch_cuda_efficient: {_GUESS}; PASS in float32 without a mask on the H100 ({ACCURACY})"),
     ClassRule("torch_cuda_efficient", HALF, ANY, ("none",), ANY, ("1",),
               f"torch_cuda_efficient: {_GUESS}; right at batch 1 in one-sequence bf16 calls on the H100 (dQ 4.8e-3; "
-              f"{H100}efficient_experiment.jsonl)"),
+              f"{EXPERIMENT})"),
 ), (_EFFICIENT_HALF_BATCH, _EFFICIENT_MASKED))
 
 
