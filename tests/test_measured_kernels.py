@@ -12,6 +12,7 @@ import itertools
 import json
 import os
 import re
+import types
 
 import pytest
 import torch
@@ -166,3 +167,25 @@ def test_every_reason_cites_a_committed_file():
                 assert "PASS" in rule.reason, rule.reason  # and, with the file, its figures
             if not table.measured and rule in table.rules:
                 assert "unmeasured" in rule.reason, rule.reason
+
+
+# --- the attention layer asks for its class ---------------------------------------------------
+
+def test_the_attention_layer_asks_for_its_class(monkeypatch):
+    from megatron_startrail import attention  # noqa: PLC0415
+
+    asked = []
+    monkeypatch.setattr(attention, "kernel_for", lambda q, k, v, name, deterministic, **cls: asked.append(cls))
+    groups = types.SimpleNamespace(kernel="auto", config=types.SimpleNamespace(deterministic=False))
+    q = torch.empty(8, 2, 4, 16)  # [s, b, h, d]
+    dense, packed = dense_sequence(2, 8), documents_from_cu_seqlens((0, 5, 16), None, 2, 8)
+    for docs, causal, window in ((dense, True, None), (dense, False, None), (dense, True, (4, 0)),
+                                 (packed, True, None), (packed, False, (3, 3))):
+        attention.layer_kernel(q, q, q, groups, docs, causal, window)
+    assert asked == [dict(mask="causal", packed=False), dict(mask="none", packed=False),
+                     dict(mask="window", packed=False), dict(mask="causal", packed=True),
+                     dict(mask="window", packed=True)]
+    req = KernelRequest.of(q, q[:, :, :2], q, mask="window", packed=True, capability=(9, 0))
+    assert (req.batch, req.gqa_ratio, req.mask, req.packed, req.capability) == (2, 2, "window", True, (9, 0))
+    with pytest.raises(ValueError, match="mask='sliding'"):
+        KernelRequest("cuda", torch.bfloat16, 128, 128, mask="sliding")
