@@ -193,7 +193,7 @@ def _choose_measured(req: KernelRequest, table: DeviceTable) -> KernelChoice:
         if rule.matches(*cls):
             why_not = kernel_constraint(rule.kernel, req)
             if why_not is None:
-                skipped = f" (before it: {'; '.join(unusable)})" if unusable else ""
+                skipped = f" (passed over: {'; '.join(unusable)})" if unusable else ""
                 return KernelChoice(rule.kernel, rule.reason + _padding_note(RULES_BY_NAME[rule.kernel], req) + skipped)
             unusable.append(why_not)
     why = []
@@ -202,7 +202,6 @@ def _choose_measured(req: KernelRequest, table: DeviceTable) -> KernelChoice:
             continue
         why_not = kernel_constraint(rule.name, req)
         left_out = next((r.reason for r in table.left_out if r.kernel == rule.name and r.matches(*cls)), None)
-        if why_not is not None or left_out is not None:
-            why.append(why_not or left_out)
+        why.append(why_not or left_out or f"{rule.name} is not in the table for this class (unmeasured there)")
     return KernelChoice("reference", f"no fused kernel of the {table.name} table takes {req.describe()}: "
-                                     + "; ".join(why or [f"{table.name} has no measured kernel for this class"]))
+                                     + "; ".join(why))
