@@ -44,12 +44,12 @@ def torch_checkpoint_name(use_reentrant) -> str:
     return f"torch.utils.checkpoint.checkpoint(use_reentrant={bool(use_reentrant)})"
 
 
-def running_checkpoints(depth: int = 2):
-    """``(ctx, wrapper)`` seen from the caller ``depth`` frames up: ``ctx`` the innermost Megatron
+def running_checkpoints():
+    """``(ctx, wrapper)`` seen from the caller: ``ctx`` the innermost Megatron
     ``CheckpointFunction.forward`` on this thread's stack (None without one); ``wrapper`` the name
     of torch's checkpoint when one runs inside it (or, with no Megatron checkpoint, anywhere on
     the stack), else None."""
-    frame, wrapper = sys._getframe(depth), None
+    frame, wrapper = sys._getframe(1), None
     while frame is not None:
         code = frame.f_code
         if code is _MEGATRON_FORWARD:

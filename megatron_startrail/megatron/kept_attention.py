@@ -180,7 +180,7 @@ class KeptAttention:
     def _first_pass(self, attend: Callable, q, k, v):
         """Inside ``CheckpointFunction.forward``: keep, unless a wrapper runs (Note [attention kept
         through recomputation], 'Wrappers')."""
-        checkpoint, wrapper = running_checkpoints(depth=3)
+        checkpoint, wrapper = running_checkpoints()
         wrapper = wrapper or saved_tensors_hooks_name()
         if checkpoint is None or wrapper is not None:  # nothing could find a kept graph again, or it must not
             if wrapper is not None:
