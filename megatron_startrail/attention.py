@@ -165,11 +165,13 @@ class _StarTrailAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        # Unpacked once: saved-tensor hooks run at every read, and some allow one (torch's
+        # non-reentrant checkpoint raises on a second; offloading would copy twice).
+        saved = list(ctx.saved_tensors)
         dsink = None
         if ctx.needs_input_grad[3]:  # from out', lse' as saved (the last two), before the backward frees them
-            out, lse = ctx.saved_tensors[-2:]
-            dsink = sink_grad(dout, out, lse, ctx.sink)
-        dq, dk, dv = (backward_q if ctx.rotation == "q" else backward_kv)(ctx, dout)
+            dsink = sink_grad(dout, saved[-2], saved[-1], ctx.sink)
+        dq, dk, dv = (backward_q if ctx.rotation == "q" else backward_kv)(ctx, dout, saved)
         return (dq, dk, dv, dsink) + (None,) * 11
 
 

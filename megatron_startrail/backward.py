@@ -23,18 +23,20 @@ from .team import gather_team_and_send, team_segments
 from .transfer import LaneSplit, sub_ring_lanes
 
 
-def backward_kv(ctx, dout):
+def backward_kv(ctx, dout, saved: list):
     """The backward with rotation "kv": the team's query side fixed, K, V and dK, dV
-    circulating; returns ``dq, dk, dv`` of this rank (the inputs' dtype)."""
+    circulating; returns ``dq, dk, dv`` of this rank (the inputs' dtype). ``saved``: ``ctx.saved_tensors``,
+    unpacked once by the caller (a list, emptied here)."""
     groups, docs = ctx.groups, ctx.docs
     comm = Communicator(ctx.bwd_stats, groups.transports_on(dout.device)[0], ctx.timeline)
     if ctx.regather:  # phases 1-2 again, on this rank's q, k, v
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse = saved
         q_team, kv_init = gather_team_and_send(comm, groups, q, k, v, gather_op="regather_team_all_gather",
                                                 send_op="regather_init_send")
     else:
-        q_team, kv_team, out, lse = ctx.saved_tensors
+        q_team, kv_team, out, lse = saved
         kv_init = PieceTransfer.local(kv_team, groups.team_size)
+    saved.clear()  # the caller's references: what saved-tensor hooks unpacked is freed as this goes
     dtype = q_team.dtype
     do_out, lse_team = _gather_query_side(comm, groups, dout, out, lse)
     # dK, dV go back along the reverse of the initial send while dQ is reduce-scattered
@@ -140,22 +142,23 @@ def _reduce_reverse_pieces(comm, groups, reverse: ReverseInitialSend) -> torch.T
 # and steps are unchanged.
 
 
-def backward_q(ctx, dout):
+def backward_q(ctx, dout, saved: list):
     """The backward with rotation "q" (paper 3.2.1: K, V fixed; Q, dO, out, lse and dQ
     circulate), streamed member by member (Note [streamed rotation q]), and piece by piece
     on sub-rings of one position (Note [piece-major rotation q]); returns ``dq, dk, dv`` of
-    this rank (the inputs' dtype)."""
+    this rank (the inputs' dtype). ``saved``: as :func:`backward_kv`'s."""
     groups, docs = ctx.groups, ctx.docs
     comm = Communicator(ctx.bwd_stats, groups.transports_on(dout.device)[0], ctx.timeline)
     topo, pos, c = groups.topology, groups.startrail_rank, groups.team_size
     piece_major = topo.one_position_sub_rings
     if ctx.regather:  # phase 2 again (K, V only: the queries come member by member)
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse = saved
         _, kv_init = gather_team_and_send(comm, groups, q, k, v, gather_op="regather_team_all_gather",
                                            send_op="regather_init_send", gather_q=False, whole=not piece_major)
     else:
-        q, kv_team, out, lse = ctx.saved_tensors
+        q, kv_team, out, lse = saved
         kv_init = PieceTransfer.local(kv_team, c)
+    saved.clear()  # the caller's references: what saved-tensor hooks unpacked is freed as this goes
     member, n, dtype, dqk = topo.member_of(pos), q.shape[0], q.dtype, q.shape[-1]
     acc_dtype = blocks.acc_dtype(dtype)
     # [n, b, h, dqk], [n, b, h, dv] x 2, [n, b, h]. q (the forward's input: possibly a view of

@@ -60,3 +60,37 @@ def bad_sink_worker(rank, world_size, shape, dtype):
 @pytest.mark.parametrize("shape, dtype", [((2,), torch.float32), ((1, 4), torch.float32), ((4,), torch.int64)])
 def test_a_sink_of_the_wrong_shape_or_dtype_is_refused(shape, dtype):
     assert all(run_ranks(bad_sink_worker, 2, args=(shape, dtype)))
+
+
+def checkpointed_sinks_worker(rank, world_size):
+    """Learnable sinks under torch's non-reentrant checkpoint: the backward unpacks each saved
+    tensor once (a second unpack raises there; on 9ee7a82 the sink's gradient read out, lse
+    before the backward read everything again), and the gradients are the plain run's."""
+    from torch.utils.checkpoint import checkpoint  # noqa: PLC0415
+
+    gen = torch.Generator().manual_seed(970 + rank)
+    fused = torch.randn(16, 1, 3 * 4, 8, generator=gen, dtype=torch.float64)
+    dout = torch.randn(16, 1, 4, 8, generator=gen, dtype=torch.float64)
+    sink0 = torch.randn(4, generator=torch.Generator().manual_seed(971), dtype=torch.float64)
+    failures = []
+    for rotation, regather in (("kv", False), ("q", False), ("kv", True), ("q", True)):
+        groups = new_startrail_groups(team_size=2, backward_rotation=rotation, regather_in_backward=regather)
+
+        def attend(qkv, sink):  # q, k, v: strided views of a fused projection, as Megatron hands them
+            q, k, v = qkv.view(16, 1, 3, 4, 8).unbind(2)
+            return startrail_attn(q, k, v, groups, softmax_offset=sink)  # noqa: B023
+
+        grads = []
+        for wrapped in (False, True):
+            qkv, sink = fused.clone().requires_grad_(True), sink0.clone().requires_grad_(True)
+            out = checkpoint(attend, qkv, sink, use_reentrant=False) if wrapped else attend(qkv, sink)
+            (out * dout).sum().backward()
+            grads.append((qkv.grad, sink.grad))
+        if not all(torch.equal(a, b) for a, b in zip(*grads)):
+            failures.append(f"rotation {rotation} regather {regather}")
+    return failures
+
+
+def test_sinks_under_torchs_non_reentrant_checkpoint_are_the_plain_runs():
+    for failures in run_ranks(checkpointed_sinks_worker, 4, timeout=120):
+        assert not failures, failures

@@ -44,37 +44,66 @@ QKV output is not held through them. Recomputing the attention instead
 communication again. Where no checkpoint is found -- Transformer Engine's checkpoint (Megatron
 takes it under FP8/FP4) does not set Megatron's flag, another checkpoint implementation -- the
 attention is recomputed, communication included, with a one-time warning: slower, never wrong.
+
+Wrappers: keeping is right only where Megatron's replay is the recomputation. A wrapper that
+saves or recomputes the layer's tensors itself makes it wrong:
+
+- torch's non-reentrant checkpoint inside Megatron's (a framework wrapping each layer, under
+  ``--recompute-granularity full``): its first pass runs without grad, so it records nothing
+  then; in Megatron's recomputation it records what the layer saves, and in the backward it
+  runs the layer once more and expects the same saved tensors. A kept graph taken there saves
+  nothing; the attention run again saves its own: on 9ee7a82 ``CheckpointError: Recomputed
+  values ... different metadata``.
+- torch's non-reentrant checkpoint outside Megatron's (``selective`` ``core_attn`` inside a
+  wrapped layer): the kept graph's saved tensors go through its hooks, so the kept graph's own
+  backward runs the layer again to get them back, and what that extra run keeps stays alive
+  after the step's backward (on 9ee7a82: exact, two graphs left after two layers' backward).
+- any other saved-tensor hooks (``save_on_cpu``, Megatron's fine-grained activation
+  offloading, a framework's own): the kept graph's tensors would be packed in the first pass
+  and unpacked in another graph task (the recomputation's), which hooks written for one
+  forward and its backward need not allow (``save_on_cpu`` does: exact on 9ee7a82).
+- torch's reentrant checkpoint inside Megatron's: its first pass runs without grad inside
+  Megatron's recomputation, so a graph kept in Megatron's first pass is never taken.
+
+So the first pass keeps nothing when torch's checkpoint runs between it and Megatron's
+checkpoint (its ``checkpoint`` frame on the stack, by code object) or saved-tensor hooks are set
+(the top of autograd's hooks stack); it leaves a mark in the call's place, so that later calls
+still take their own graphs. The recomputation recomputes under hooks, under torch's reentrant
+checkpoint's node, or where the mark is. The attention then runs as with
+``--startrail-recompute-attention``, its communication included (the gradients are the run's
+without keeping), with one warning per wrapper naming it (:mod:`.checkpoint_wrappers`).
+torch's reentrant checkpoint outside Megatron's is Megatron's replay inside its own: kept.
 """
 
 from __future__ import annotations
 
 import functools
-import sys
 import warnings
 import weakref
 from typing import Callable
 
 import torch
-from megatron.core.tensor_parallel.random import CheckpointFunction, is_checkpointing
+from megatron.core.tensor_parallel.random import is_checkpointing
 
-# The code object of Megatron's checkpoint forward: its frame holds the checkpoint's ctx.
-_CHECKPOINT_FORWARD = CheckpointFunction.forward.__code__
-_KEPT_ATTRIBUTE = "_startrail_kept"  # on a CheckpointFunction ctx: {KeptAttention: [_KeptGraph, ...]}
+from .checkpoint_wrappers import node_wrapper_name, running_checkpoints, saved_tensors_hooks_name
+
+_KEPT_ATTRIBUTE = "_startrail_kept"  # on a CheckpointFunction ctx: {KeptAttention: [_KeptGraph | _RECOMPUTED, ...]}
+# In a checkpoint's list in place of a kept graph: this call's first pass ran under a wrapper
+# and kept nothing; its recomputation recomputes (the n-th call still takes the n-th entry).
+_RECOMPUTED = object()
 
 
 @functools.cache
 def _say_once(message: str) -> None:
-    warnings.warn(message, stacklevel=3)
+    warnings.warn(message, stacklevel=4)
 
 
-def _checkpoint_running_forward():
-    """The ctx of the innermost ``CheckpointFunction.forward`` on this thread's stack, or None."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code is _CHECKPOINT_FORWARD:
-            return frame.f_locals.get("ctx")
-        frame = frame.f_back
-    return None
+def _say_recomputed_under(wrapper: str) -> None:
+    """Once per wrapper and process: the attention is recomputed because of ``wrapper``."""
+    _say_once(f"StarTrail: the attention is recomputed with its communication under {wrapper}: that wrapper "
+              "saves or recomputes the layer's tensors itself, so the attention's graph cannot be kept through "
+              "Megatron's recomputation; --startrail-recompute-attention makes that the rule and silences this; "
+              "see docs/memory.md, 'Recomputation'")
 
 
 class _InputGrads:
@@ -144,13 +173,34 @@ class KeptAttention:
         """``attend(q, k, v)``, kept through Megatron's recomputation when ``enabled``."""
         if not (enabled and training and is_checkpointing()):
             return attend(q, k, v)
-        if not torch.is_grad_enabled():  # the checkpoint's first pass, inside CheckpointFunction.forward
-            checkpoint = _checkpoint_running_forward()
-            if checkpoint is None:  # not Megatron's CheckpointFunction: nothing could find it again
-                return attend(q, k, v)
-            return self._keep(checkpoint, attend, q, k, v)
-        # The recomputation, inside CheckpointFunction.backward: the node being run is that checkpoint.
-        kept = self._take(torch._C._current_autograd_node())
+        if not torch.is_grad_enabled():  # a checkpoint's first pass
+            return self._first_pass(attend, q, k, v)
+        return self._recomputation(attend, q, k, v)
+
+    def _first_pass(self, attend: Callable, q, k, v):
+        """Inside ``CheckpointFunction.forward``: keep, unless a wrapper runs (Note [attention kept
+        through recomputation], 'Wrappers')."""
+        checkpoint, wrapper = running_checkpoints()
+        wrapper = wrapper or saved_tensors_hooks_name()
+        if checkpoint is None or wrapper is not None:  # nothing could find a kept graph again, or it must not
+            if wrapper is not None:
+                _say_recomputed_under(wrapper)
+            if checkpoint is not None:
+                self._store(checkpoint, _RECOMPUTED)
+            return attend(q, k, v)
+        return self._keep(checkpoint, attend, q, k, v)
+
+    def _recomputation(self, attend: Callable, q, k, v):
+        """Inside a checkpoint's backward: the node being run is the checkpoint whose first pass kept
+        this call's graph (taken in any case, so that later calls take their own)."""
+        node = torch._C._current_autograd_node()
+        kept = self._take(node)
+        wrapper = saved_tensors_hooks_name() or node_wrapper_name(node)
+        if wrapper is not None:  # torch's checkpoint inside Megatron's, or hooks: recompute as it does
+            _say_recomputed_under(wrapper)
+            return attend(q, k, v)
+        if kept is _RECOMPUTED:  # said at the first pass
+            return attend(q, k, v)
         if kept is None:
             _say_once("StarTrail: the attention is recomputed with its communication: its first pass was not "
                       "kept under Megatron's checkpoint (Transformer Engine's checkpoint, taken under FP8/FP4, "
@@ -175,14 +225,19 @@ class KeptAttention:
         with torch.enable_grad():
             out = attend(*_InputGate.apply(anchor, box, q, k, v))
         kept = _KeptGraph(out, box, q.shape)
+        self._store(checkpoint, kept)
+        self._alive.add(kept)
+        return out.detach()
+
+    def _store(self, checkpoint, entry) -> None:
+        """``entry`` as this module's next call on the checkpoint's ctx."""
         per_module = getattr(checkpoint, _KEPT_ATTRIBUTE, None)
         if per_module is None:
             per_module = {}
             setattr(checkpoint, _KEPT_ATTRIBUTE, per_module)
-        per_module.setdefault(self, []).append(kept)
-        self._alive.add(kept)
-        return out.detach()
+        per_module.setdefault(self, []).append(entry)
 
-    def _take(self, node) -> _KeptGraph | None:
+    def _take(self, node):
+        """This module's next entry on ``node`` (a _KeptGraph or _RECOMPUTED), or None."""
         calls = getattr(node, _KEPT_ATTRIBUTE, {}).get(self) if node is not None else None
         return calls.pop(0) if calls else None

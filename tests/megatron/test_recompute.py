@@ -125,14 +125,16 @@ def test_interleaved_stages_with_full_and_selective_recomputation_and_evaluation
 
 def kept_bytes_worker(rank, world_size):
     """What one layer keeps through recomputation, measured as the storages its first pass (inside
-    Megatron's checkpoint) saves for the backward, for the settings that keep different tensors."""
+    Megatron's checkpoint) keeps for the backward, for the settings that keep different tensors:
+    read from the kept graph itself (saved-tensor hooks would make the attention recompute
+    instead, Note [attention kept through recomputation], 'Wrappers')."""
     import torch  # noqa: PLC0415
     from megatron.core.tensor_parallel import random as megatron_random  # noqa: PLC0415
 
-    from benchmarks.memory import saved_bytes  # noqa: PLC0415
     from megatron_startrail import new_startrail_groups, startrail_attn  # noqa: PLC0415
     from megatron_startrail.accounting import AttentionShape, kept_for_backward_bytes  # noqa: PLC0415
     from megatron_startrail.megatron import kept_attention  # noqa: PLC0415
+    from tests.megatron.test_kept_attention import _held_storages  # noqa: PLC0415
 
     # Megatron's checkpoint saves the CUDA RNG too: the CPU one only (this forked rank).
     megatron_random._get_cuda_rng_state = lambda *a, **k: None
@@ -144,18 +146,23 @@ def kept_bytes_worker(rank, world_size):
     for team, regather, rotation in ((1, False, "kv"), (2, False, "kv"), (2, False, "q"), (2, True, "q")):
         groups = new_startrail_groups(team_size=team, backward_rotation=rotation, regather_in_backward=regather)
         for recompute in (False, True):
-            kept = kept_attention.KeptAttention()
+            kept, first_pass = kept_attention.KeptAttention(), []
+
+            def attend(*t):  # the first pass's attention output, where it has a graph (kept)
+                out = startrail_attn(*t, groups)  # noqa: B023
+                first_pass.extend([out] if out.requires_grad else [])  # noqa: B023
+                return out
 
             def layer(x):  # q computed inside the checkpoint, as from a QKV projection
-                return kept.run(lambda *t: startrail_attn(*t, groups), x * 1, k, v,  # noqa: B023
-                                training=True, enabled=not recompute)  # noqa: B023
+                return kept.run(attend, x * 1, k, v, training=True, enabled=not recompute)  # noqa: B023
 
-            # The checkpoint's first pass; its own saved input (q) is the caller's, left out.
-            out, measured = saved_bytes(lambda: megatron_random.checkpoint(layer, False, q), exclude=(q,))  # noqa: B023
+            out = megatron_random.checkpoint(layer, False, q)  # the checkpoint's first pass
+            measured = sum(_held_storages(first_pass).values()) if first_pass else 0
             model = 0 if recompute else kept_for_backward_bytes(
                 AttentionShape(n, 1, heads, heads, dim, 4), ulysses_size=1, team_size=team,
                 regather_in_backward=regather, rotation=rotation)
             rows.append(((team, regather, rotation, recompute), measured, model, len(kept)))
+            first_pass.clear()
             out.sum().backward()  # the recomputation takes the kept graph
             assert len(kept) == 0
     return rows
