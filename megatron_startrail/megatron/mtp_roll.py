@@ -9,9 +9,14 @@ when StarTrail's groups are built for a model with MTP) replaces ``roll_tensor``
 - **The target count.** Each CP rank divides its MTP loss by its *own* count of rolled targets,
   then DDP averages over DP x CP: the CP rank holding the sequence's last token (rolled out)
   weighs its tokens more. The count of the loss mask (the one floating-point tensor Megatron
-  rolls) is replaced by the CP group's mean count -- one scalar all-reduce over the CP group
-  per MTP depth -- so that every rank's share is its sum over the whole sequence's count, as at
-  CP = 1 (Megatron-LM PR #7498 reduces the counts over the CP group the same way).
+  rolls) is replaced by the CP group's mean count ``N / CP`` -- one scalar all-reduce over the
+  CP group per MTP depth -- so that every rank's share is its sum over the whole sequence's
+  count, as at CP = 1 (Megatron-LM PR #7498 reduces the counts over the CP group the same way).
+  Where ``N / CP`` is below one (fewer targets than CP ranks) Megatron would clamp it to one:
+  the rolled mask is then weighted by ``CP / N`` instead. With ``--calculate-per-token-loss``
+  Megatron also multiplies by the rank's own count of loss tokens: mtp_loss.py hands it the
+  group's mean count instead, through a stand-in mask this roll rolls as the real one
+  (:func:`rolls_as`).
 - **Packed documents in StarTrail's sample layout** (``--dataloader-inter-document-masking``
   without padded spans: the whole packed sample zigzagged). Megatron's packed roll
   (``_roll_tensor_packed_seq``) assumes every document zigzagged on its own (the document
@@ -36,38 +41,71 @@ def _megatron_mtp():
     return multi_token_prediction
 
 
+_ROLLS_AS = "_startrail_mtp_rolls_as"  # the attribute of a stand-in naming the tensor it rolls as
+
+
+def rolls_as(stand_in: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """Mark ``stand_in`` (returned) to be rolled as ``real``: the roll of a weighted mask, or
+    mtp_loss.py's mask whose sum is the group's mean count. Held by the tensor itself, so it
+    lives exactly as long as Megatron holds the stand-in."""
+    setattr(stand_in, _ROLLS_AS, real)
+    return stand_in
+
+
+def real_tensor(tensor):
+    """The tensor ``tensor`` stands in for (:func:`rolls_as`), or ``tensor`` itself."""
+    return getattr(tensor, _ROLLS_AS, tensor)
+
+
+def _roll(tensor, shifts, dims, cp_group, packed_seq_params):
+    """``(rolled, count)``: Megatron's roll, or in StarTrail's packed sample layout the whole
+    sample's roll with every document's last token zeroed (see the module docstring)."""
+    megatron_roll = _megatron_mtp()._startrail_megatron_roll_tensor
+    if packed_seq_params is None or not is_sample_layout(packed_seq_params):
+        return megatron_roll(tensor, shifts, dims, cp_group, packed_seq_params)
+    if shifts != -1:
+        raise ValueError(f"StarTrail's packed sample layout rolls MTP tensors by -1 only, got shifts={shifts}")
+    cp = cp_group.size()
+    rolled, _ = megatron_roll(tensor, shifts, dims, cp_group, None)  # the whole sample, across the chunks
+    # [..., t/CP]: the sample rows held here; a document's last token has nothing to predict.
+    held = sample_layout_rows(tensor.shape[dims] * cp, cp, cp_group.rank(), tensor.device)
+    ends = packed_seq_params.cu_seqlens_q[1:].to(device=tensor.device, dtype=torch.int64) - 1
+    last_of_document = torch.isin(held, ends)
+    shape = [1] * tensor.dim()
+    shape[dims] = -1
+    rolled = rolled.masked_fill(last_of_document.view(shape), 0)
+    return rolled, rolled.sum()
+
+
 def startrail_roll_tensor(tensor, shifts=-1, dims=-1, cp_group=None, packed_seq_params=None):
     """``roll_tensor`` with StarTrail's layout of packed documents and the CP group's target
     count: ``(rolled, count)`` as Megatron returns them (see the module docstring)."""
-    megatron_roll = _megatron_mtp()._startrail_megatron_roll_tensor
     cp = cp_group.size() if cp_group is not None else 1
     if tensor is None or cp == 1:
-        return megatron_roll(tensor, shifts, dims, cp_group, packed_seq_params)
-    if packed_seq_params is not None and is_sample_layout(packed_seq_params):
-        if shifts != -1:
-            raise ValueError(f"StarTrail's packed sample layout rolls MTP tensors by -1 only, got shifts={shifts}")
-        rolled, _ = megatron_roll(tensor, shifts, dims, cp_group, None)  # the whole sample, across the chunks
-        # [..., t/CP]: the sample rows held here; a document's last token has nothing to predict.
-        held = sample_layout_rows(tensor.shape[dims] * cp, cp, cp_group.rank(), tensor.device)
-        ends = packed_seq_params.cu_seqlens_q[1:].to(device=tensor.device, dtype=torch.int64) - 1
-        last_of_document = torch.isin(held, ends)
-        shape = [1] * tensor.dim()
-        shape[dims] = -1
-        rolled = rolled.masked_fill(last_of_document.view(shape), 0)
-        count = rolled.sum()
-    else:
-        rolled, count = megatron_roll(tensor, shifts, dims, cp_group, packed_seq_params)
-    if tensor.is_floating_point():  # the loss mask: the CP group's mean count of targets
-        count = count.clone()
-        dist.all_reduce(count, group=cp_group)
-        count = count / cp
-    return rolled, count
+        return _megatron_mtp()._startrail_megatron_roll_tensor(tensor, shifts, dims, cp_group, packed_seq_params)
+    rolled, count = _roll(real_tensor(tensor), shifts, dims, cp_group, packed_seq_params)
+    if not tensor.is_floating_point():
+        return rolled, count
+    # The loss mask: the CP group's mean count of targets, N / CP.
+    count = count.clone()
+    dist.all_reduce(count, group=cp_group)
+    count = count / cp
+    # Megatron divides by count.clamp(min=1): below one (0 < N < CP targets in the sequence) the
+    # mask is weighted by 1 / count instead, so that every use of it is as if it were divided by
+    # N / CP. Above, the weight is exactly 1. The next depth rolls the unweighted mask.
+    weight = 1 / count.clamp(min=1 / cp, max=1)
+    return rolls_as(rolled * weight, rolled), count
 
 
 def install_startrail_mtp_roll() -> None:
     """Replace megatron-core's ``multi_token_prediction.roll_tensor`` with
-    :func:`startrail_roll_tensor` (idempotent; Megatron's is kept as ``_startrail_megatron_roll_tensor``)."""
+    :func:`startrail_roll_tensor` (Megatron's is kept as ``_startrail_megatron_roll_tensor``)
+    and its ``process_mtp_loss`` with mtp_loss.py's, which hands the roll the stand-ins it
+    needs (idempotent)."""
+    from .mtp_loss import install_startrail_mtp_loss  # noqa: PLC0415 - mtp_loss imports this module
+
     mtp = _megatron_mtp()
     if getattr(mtp, "_startrail_megatron_roll_tensor", None) is None:
         mtp._startrail_megatron_roll_tensor = mtp.roll_tensor
         mtp.roll_tensor = startrail_roll_tensor
+    install_startrail_mtp_loss()
