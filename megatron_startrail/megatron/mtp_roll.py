@@ -17,14 +17,17 @@ when StarTrail's groups are built for a model with MTP) replaces ``roll_tensor``
   Megatron also multiplies by the rank's own count of loss tokens: mtp_loss.py hands it the
   group's mean count instead, through a stand-in mask this roll rolls as the real one
   (:func:`rolls_as`).
-- **Packed documents in StarTrail's sample layout** (``--dataloader-inter-document-masking``
-  without padded spans: the whole packed sample zigzagged). Megatron's packed roll
-  (``_roll_tensor_packed_seq``) assumes every document zigzagged on its own (the document
-  layout), so it mixes documents or raises IndexError there. In the sample layout a roll inside
-  every document is the whole sample's roll (Megatron's dense CP roll, across the zigzag
-  chunks) with each document's last token zeroed, as Megatron's packed roll zeroes it at CP = 1.
-
-Packed documents in the document layout (``cu_seqlens_*_padded``) keep Megatron's packed roll.
+- **Packed documents.** Megatron's packed roll (``_roll_tensor_packed_seq``) assumes every
+  document zigzagged on its own (the document layout) and places the documents by their real
+  boundaries over CP: in StarTrail's sample layout (``--dataloader-inter-document-masking``
+  without padded spans: the whole packed sample zigzagged) it mixes documents or raises
+  IndexError, and in the document layout it is wrong wherever a document has padding. In the
+  sample layout a roll inside every document is the whole sample's roll (Megatron's dense CP
+  roll, across the zigzag chunks) with each document's last token zeroed, as Megatron's packed
+  roll zeroes it at CP = 1; the document layout (``cu_seqlens_*_padded``) is rolled by
+  document_roll.py, all documents at once. Megatron-Bridge cuts its packed batches in the
+  document layout but hands parameters without padded boundaries: its spec's attention records
+  their document-layout copy on them (:func:`set_layout_as_cut`), which the roll then takes.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .packed_rope import is_sample_layout, sample_layout_rows
+from .document_roll import document_layout_roll
+from .packed_rope import sample_layout_rows
 
 
 def _megatron_mtp():
@@ -57,23 +61,48 @@ def real_tensor(tensor):
     return getattr(tensor, _ROLLS_AS, tensor)
 
 
+_AS_CUT = "_startrail_as_cut"  # the attribute of a PackedSeqParams naming its copy in the layout the batch was cut in
+
+
+def set_layout_as_cut(packed_seq_params, as_cut) -> None:
+    """Record, on ``packed_seq_params`` itself, ``as_cut``: the same documents in the layout
+    the batch was really cut in (Megatron-Bridge's parameters lack the padded boundaries of
+    its per-document cut: bridge/packed_layout.py). The roll of every MTP tensor of this
+    micro-batch then takes ``as_cut``."""
+    setattr(packed_seq_params, _AS_CUT, as_cut)
+
+
+def layout_as_cut(packed_seq_params):
+    """``packed_seq_params`` in the layout the batch was cut in (:func:`set_layout_as_cut`)."""
+    return getattr(packed_seq_params, _AS_CUT, packed_seq_params)
+
+
+def _as_row(cu_seqlens):
+    """``[n_docs + 1]`` boundaries (a ``[1, n_docs + 1]`` batch row squeezed; None stays None). The query
+    side's only: the core attention checks that the key/value side's are the same."""
+    return cu_seqlens.squeeze(0) if cu_seqlens is not None and cu_seqlens.dim() == 2 else cu_seqlens
+
+
 def _roll(tensor, shifts, dims, cp_group, packed_seq_params):
-    """``(rolled, count)``: Megatron's roll, or in StarTrail's packed sample layout the whole
-    sample's roll with every document's last token zeroed (see the module docstring)."""
+    """``(rolled, count)``: Megatron's dense roll, or a roll inside every packed document in
+    StarTrail's sample layout or in the document layout (see the module docstring)."""
     megatron_roll = _megatron_mtp()._startrail_megatron_roll_tensor
-    if packed_seq_params is None or not is_sample_layout(packed_seq_params):
-        return megatron_roll(tensor, shifts, dims, cp_group, packed_seq_params)
-    if shifts != -1:
-        raise ValueError(f"StarTrail's packed sample layout rolls MTP tensors by -1 only, got shifts={shifts}")
+    params = layout_as_cut(packed_seq_params)
+    if params is None or params.qkv_format != "thd":
+        return megatron_roll(tensor, shifts, dims, cp_group, params)
+    if shifts != -1 or dims not in (-1, tensor.dim() - 1):
+        raise ValueError(f"packed documents roll MTP tensors by -1 along the last dimension only, got "
+                         f"shifts={shifts}, dims={dims}")
+    cu_seqlens, cu_seqlens_padded = (_as_row(params.cu_seqlens_q), _as_row(params.cu_seqlens_q_padded))
+    if cu_seqlens_padded is not None:
+        rolled = document_layout_roll(tensor, cp_group, cu_seqlens, cu_seqlens_padded)
+        return rolled, rolled.sum()
     cp = cp_group.size()
     rolled, _ = megatron_roll(tensor, shifts, dims, cp_group, None)  # the whole sample, across the chunks
     # [..., t/CP]: the sample rows held here; a document's last token has nothing to predict.
-    held = sample_layout_rows(tensor.shape[dims] * cp, cp, cp_group.rank(), tensor.device)
-    ends = packed_seq_params.cu_seqlens_q[1:].to(device=tensor.device, dtype=torch.int64) - 1
-    last_of_document = torch.isin(held, ends)
-    shape = [1] * tensor.dim()
-    shape[dims] = -1
-    rolled = rolled.masked_fill(last_of_document.view(shape), 0)
+    held = sample_layout_rows(tensor.shape[-1] * cp, cp, cp_group.rank(), tensor.device)
+    ends = cu_seqlens[1:].to(device=tensor.device, dtype=torch.int64) - 1
+    rolled = rolled.masked_fill(torch.isin(held, ends), 0)
     return rolled, rolled.sum()
 
 
