@@ -8,7 +8,8 @@ then holds no loss token but a rolled target from its neighbour: no count alone 
 CP = 1 does); one loss token (fewer rolled targets than CP ranks: Megatron clamps the count to
 one). Two MTP depths, with and without ``--calculate-per-token-loss``. Compared: the output
 weight's gradient (summed over the CP ranks with per-token loss, averaged without, as DDP
-does), every held row's hidden-state gradient and the logged MTP losses.
+does), every held row's hidden-state gradient and the logged MTP losses; and that the package's
+roll and loss make no host sync.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.megatron.utils import Utils, parallel_state  # noqa: F401 (import shims first)
+from tests.megatron.test_host_syncs import HostSyncCounter
 from tests.multiproc import run_ranks
 from tests.packed_cases import PAD, document_of_positions, held_positions
 
@@ -159,7 +161,10 @@ def loss_rank(rank, world_size):
                 local, rows = on_rank(tensors, real_row, held, seed)
                 ref_params = packed_params(cu, None)  # CP = 1: the real sample
                 ref_w, ref_h, ref_logged = mtp_loss_and_grads(tensors, per_token, None, ref_params, seed)
-                w, h, logged = mtp_loss_and_grads(local, per_token, cp_group, params, seed)
+                with HostSyncCounter() as syncs:  # none in the package's roll and loss (test_host_syncs.py)
+                    w, h, logged = mtp_loss_and_grads(local, per_token, cp_group, params, seed)
+                if syncs.calls:
+                    failures.append((layout, kind, per_token, "host syncs", syncs.calls))
                 dist.all_reduce(w, group=cp_group)
                 dist.all_reduce(logged, group=cp_group)
                 if not per_token:  # DDP averages over the CP ranks
