@@ -117,19 +117,22 @@ def token_losses(labels, logits):  # GPTModel.compute_language_model_loss: [b, s
     return F.cross_entropy(logits.permute(1, 2, 0), labels, reduction="none")
 
 
-def mtp_loss_and_grads(t, per_token, cp_group, params, seed):
+def mtp_loss_and_grads(t, per_token, cp_group, params, seed, inputs="labels"):
     """Megatron's process_mtp_loss (the package's where installed): the output weight's and
-    hidden states' gradients, and the logged loss per depth."""
+    hidden states' gradients, and the logged loss per depth. ``inputs``: "labels" and the loss
+    mask; "input ids" and the mask (RL: Megatron derives the labels); "no mask" (labels only)."""
     config = types.SimpleNamespace(mtp_num_layers=DEPTHS, mtp_detach_heads=False, mtp_loss_scaling_factor=0.3,
                                    calculate_per_token_loss=per_token)
     layer = OutputLayer(seed)
     hidden = t["hidden"].clone().requires_grad_()
     mtp.MTPLossLoggingHelper.clean_metrics_in_tracker()
     mtp.MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0, dtype=torch.float64))
-    out = mtp.process_mtp_loss(hidden_states=hidden, labels=t["labels"], loss_mask=t["mask"], output_layer=layer,
+    labels = None if inputs == "input ids" else t["labels"]
+    mask = None if inputs == "no mask" else t["mask"]
+    out = mtp.process_mtp_loss(hidden_states=hidden, labels=labels, loss_mask=mask, output_layer=layer,
                                output_weight=None, runtime_gather_output=None, is_training=True,
                                compute_language_model_loss=token_losses, config=config, cp_group=cp_group,
-                               tp_group=None, packed_seq_params=params)
+                               tp_group=None, packed_seq_params=params, input_ids=t["ids"])
     out.sum().backward()
     logged = mtp.MTPLossLoggingHelper.tracker["loss_values"].clone().double()
     return layer.weight.grad, hidden.grad, logged
@@ -142,47 +145,45 @@ def packed_params(cu, padded):
                            cu_seqlens_kv_padded=padded)
 
 
+def case_errors(rank, cp_group, layout, kind, per_token, inputs, seed):
+    """One case at this rank's CP size against CP = 1: ``(errors, logged error, host syncs)``."""
+    cp = cp_group.size()
+    cu, padded = boundaries(layout, cp)
+    tensors, real_row = sample(layout, kind, cp, seed)
+    held = held_positions(rank, cp, torch.tensor([0, real_row.numel()]), None) if padded is None \
+        else held_positions(rank, cp, cu, padded)
+    local, rows = on_rank(tensors, real_row, held, seed)
+    ref_w, ref_h, ref_logged = mtp_loss_and_grads(tensors, per_token, None, packed_params(cu, None), seed, inputs)
+    with HostSyncCounter() as syncs:  # none in the package's roll and loss (test_host_syncs.py)
+        w, h, logged = mtp_loss_and_grads(local, per_token, cp_group, packed_params(cu, padded), seed, inputs)
+    dist.all_reduce(w, group=cp_group)
+    dist.all_reduce(logged, group=cp_group)
+    if not per_token:  # DDP averages over the CP ranks
+        w, h = w / cp, h / cp
+    ref_h = ref_h.view(1 + DEPTHS, sum(LENGTHS), *ref_h.shape[1:])[1:]  # the MTP depths' rows
+    h = h.view(1 + DEPTHS, -1, *h.shape[1:])[1:]
+    pad = rows < 0
+    errors = dict(
+        weight=((w - ref_w).abs().max() / ref_w.abs().max()).item(),  # NaN where CP = 1 has no gradient
+        hidden=((h[:, ~pad] - ref_h[:, rows[~pad]]).abs().max() / ref_h.abs().max()).item(),
+        padding=h[:, pad].abs().max().item() if pad.any() else 0.0,
+    )
+    return errors, ((logged / cp - ref_logged).abs().max() / ref_logged.abs().max()).item(), syncs.calls
+
+
 def loss_rank(rank, world_size):
     Utils.initialize_model_parallel(context_parallel_size=world_size)
     install_startrail_mtp_roll()
     cp_group = parallel_state.get_context_parallel_group()
-    cp = cp_group.size()
-    failures, seed = [], 0
-    for layout in LAYOUTS:
-        cu, padded = boundaries(layout, cp)
-        params = packed_params(cu, padded)
-        for kind in MASKS:
-            for per_token in (True, False):
-                seed += 1
-                tensors, real_row = sample(layout, kind, cp, seed)
-                total = real_row.numel()
-                held = held_positions(rank, cp, torch.tensor([0, total]), None) if padded is None \
-                    else held_positions(rank, cp, cu, padded)
-                local, rows = on_rank(tensors, real_row, held, seed)
-                ref_params = packed_params(cu, None)  # CP = 1: the real sample
-                ref_w, ref_h, ref_logged = mtp_loss_and_grads(tensors, per_token, None, ref_params, seed)
-                with HostSyncCounter() as syncs:  # none in the package's roll and loss (test_host_syncs.py)
-                    w, h, logged = mtp_loss_and_grads(local, per_token, cp_group, params, seed)
-                if syncs.calls:
-                    failures.append((layout, kind, per_token, "host syncs", syncs.calls))
-                dist.all_reduce(w, group=cp_group)
-                dist.all_reduce(logged, group=cp_group)
-                if not per_token:  # DDP averages over the CP ranks
-                    w, h = w / cp, h / cp
-                logged = logged / cp
-                ref_h = ref_h.view(1 + DEPTHS, sum(LENGTHS), *ref_h.shape[1:])[1:]  # the MTP depths' rows
-                ref_rows = ref_h[:, rows.clamp(min=0)]
-                h = h.view(1 + DEPTHS, -1, *h.shape[1:])
-                pad = rows < 0
-                errors = dict(
-                    weight=((w - ref_w).abs().max() / ref_w.abs().max()).item(),
-                    hidden=((h[1:, ~pad] - ref_rows[:, ~pad]).abs().max() / ref_h.abs().max()).item(),
-                    padding=h[1:, pad].abs().max().item() if pad.any() else 0.0,
-                    logged=((logged - ref_logged).abs().max() / ref_logged.abs().max()).item(),
-                )
-                logged_error = errors.pop("logged")  # Megatron's tracker is float32
-                if not (max(errors.values()) <= 1e-12 and logged_error <= 1e-6 and ref_w.abs().max() > 0):  # NaN fails
-                    failures.append((layout, kind, per_token, errors, logged_error))
+    cases = [(layout, kind, per_token, inputs) for layout in LAYOUTS for per_token in (True, False)
+             for kind, inputs in [(kind, "labels") for kind in MASKS] + [("eod", "input ids"), ("prompt", "input ids")]
+             + ([("eod", "no mask")] if layout != "document" else [])]  # padding needs its mask
+    failures = []
+    for seed, case in enumerate(cases):
+        errors, logged_error, syncs = case_errors(rank, cp_group, *case, seed)
+        # Megatron's MTP loss tracker is float32; NaN fails
+        if not (max(errors.values()) <= 1e-12 and logged_error <= 1e-6) or syncs:
+            failures.append((*case, errors, logged_error, syncs))
     return failures
 
 
