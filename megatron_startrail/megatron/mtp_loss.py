@@ -62,7 +62,8 @@ def startrail_process_mtp_loss(hidden_states, labels, loss_mask, *args, config, 
         # Megatron's ones_like(labels) is an integer mask, which the roll does not count.
         loss_mask = torch.ones_like(labels, dtype=torch.float32)
     elif labels is not None and not loss_mask.is_floating_point():
-        loss_mask = loss_mask.float()  # the roll counts floating-point masks (a bool or integer one: as Megatron weighs it)
+        # The roll counts floating-point masks; a bool or integer one weighs the same as floats.
+        loss_mask = loss_mask.float()
     if labels is not None and config.calculate_per_token_loss:
         loss_mask = mean_count_stand_in(loss_mask, cp_group)
     return megatron_loss(hidden_states, labels, loss_mask, *args, config=config, cp_group=cp_group,

@@ -5,8 +5,11 @@ the decoder's: ``to_startrail_spec`` (and so ``startrail_spec_from_args``) takes
 too and gives the transformer layer inside each MTP layer StarTrail core attention. The MTP
 loss is Megatron's own (``process_mtp_loss``: labels and loss mask rolled across the CP ranks'
 zigzag chunks by ``roll_tensor``), with the package's roll (megatron/mtp_roll.py): the CP
-group's target count, and packed documents in StarTrail's sample layout. examples/pretrain_gpt.py at TP2 x CP4 with StarTrail C = 2
-logs the lm and MTP losses of the same command at CP 1 and has its first-step gradients.
+group's target count, and packed documents in StarTrail's sample layout; and with per-token
+loss the package's count of loss tokens (megatron/mtp_loss.py). examples/pretrain_gpt.py at
+TP2 x CP4 with StarTrail C = 2 logs the lm and MTP losses of the same command at CP 1 and has
+its first-step gradients; with --calculate-per-token-loss and --eod-mask-loss too (CP2, and
+TP2 + SP x CP4). tests/megatron/test_mtp_loss.py: the loss and roll alone, under every mask.
 """
 
 import math
@@ -73,7 +76,8 @@ def mtp_worker(rank, world_size, argv):
 
 
 def mtp_run(world_size, *flags, iters=4):
-    argv = [*COMMON, "--mtp-num-layers", "1", "--train-iters", str(iters), *([] if iters > 1 else ["--lr-warmup-iters", "0"]), *flags]
+    warmup = [] if iters > 1 else ["--lr-warmup-iters", "0"]  # Megatron wants warm-up < decay iterations
+    argv = [*COMMON, "--mtp-num-layers", "1", "--train-iters", str(iters), *warmup, *flags]
     logged = run_ranks(mtp_worker, world_size, args=(argv,), timeout=300)
     losses = logged[-1][0]  # megatron.training logs on the last rank
     assert [i for i, _, _ in losses] == list(range(1, iters + 1))
