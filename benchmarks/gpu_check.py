@@ -237,8 +237,8 @@ def kit_parts(args, names=PARTS) -> list[Part]:
         "timing": lambda results: dict(kernels=args.kernels, dtypes=dtypes, dims=dims, seq=args.timing_seq,
                                        heads=args.timing_heads, device=device, iters=args.iters,
                                        passed=passed(results)),
-        "rank": dict(tokens=args.rank_tokens, configs=[list(c) for c in args.rank_configs], heads=args.rank_heads,
-                     kv_heads=args.rank_kv_heads, head_dim=args.rank_head_dim, dtype=rank_dtype, device=device,
+        "rank": dict(tokens=args.rank_tokens, configs=[list(c) for c in args.rank_configs],
+                     layouts=[[args.rank_heads, args.rank_kv_heads]], head_dim=args.rank_head_dim, dtype=rank_dtype, device=device,
                      iters=args.iters),
         "transport": dict(device=device),
     }

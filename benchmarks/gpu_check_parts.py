@@ -47,6 +47,7 @@ class Part:
     function: str
     kwargs: dict | Callable[[dict], dict]
     timeout_s: float
+    env: dict = field(default_factory=dict)  # set in the part's process (LD_PRELOAD for fake CUDA)
 
 
 @dataclass
@@ -143,7 +144,7 @@ def read_events(path: Path) -> tuple[list, list, int | None, str | None]:
 
 def _start(part: Part, kwargs: dict, rows: Path, skip: int, log) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-               PYTHONUNBUFFERED="1")
+               PYTHONUNBUFFERED="1", **part.env)
     cmd = [sys.executable, "-m", "benchmarks.gpu_check_parts", "--function", part.function,
            "--kwargs", json.dumps(kwargs), "--rows", str(rows), "--skip", str(skip)]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

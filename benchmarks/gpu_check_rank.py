@@ -159,18 +159,22 @@ def rehearsal_row(tokens, world, team, rank, rotation, heads, kv_heads, head_dim
     return None
 
 
-def rank_part(items, tokens: int, configs: list[list[int]], heads: int, kv_heads: int, head_dim: int, dtype: str,
+def rank_part(items, tokens: int, configs: list[list[int]], layouts: list[list[int]], head_dim: int, dtype: str,
               device: str, iters: int, warmup: bool = True, fused: bool = True, kernel: str = "auto") -> None:
-    """One part (child side): the fused call over the whole sequence (if ``fused``), then one
-    rank of each ``[P, C]``, each an item."""
+    """One part (child side): for each ``[heads, kv_heads]`` of ``layouts``, the fused call over
+    the whole sequence (if ``fused``), then one rank of each ``[P, C]``; each an item."""
     dev, dt = torch.device(device), DTYPES[dtype]
-    work = ([("fused",)] if fused else []) + [("rank", p, c) for p, c in configs]
+    work = [("fused", h, hkv) for h, hkv in layouts if fused]
+    work += [("rank", h, hkv, p, c) for h, hkv in layouts for p, c in configs]
 
     def run(item):
         if item[0] == "fused":
-            return [fused_sdpa(tokens, heads, kv_heads, head_dim, dt, dev, max(iters, 1))]
-        return [one_rank(item[1], item[2], tokens, heads, kv_heads, head_dim, dt, dev, iters, kernel,
-                         warmup=warmup)]
+            return [fused_sdpa(tokens, item[1], item[2], head_dim, dt, dev, max(iters, 1))]
+        _, h, hkv, p, c = item
+        return [one_rank(p, c, tokens, h, hkv, head_dim, dt, dev, iters, kernel, warmup=warmup)]
 
-    items.run(work, run, lambda item: f"{tokens} tokens {heads}/{kv_heads}x{head_dim} " +
-              ("fused SDPA" if item[0] == "fused" else f"one rank P={item[1]} C={item[2]}"))
+    def what(item):
+        run_of = "fused SDPA" if item[0] == "fused" else f"one rank P={item[3]} C={item[4]}"
+        return f"{tokens} tokens {item[1]}/{item[2]}x{head_dim} {run_of}"
+
+    items.run(work, run, what)
