@@ -193,7 +193,8 @@ def rank_table(rows: list[dict]) -> list[str]:
     for r in (r for r in rows if r["kind"] == "rank"):
         share, how = fused_share(r, fused)
         m, h = r["model"], r.get("rehearsal") or {}
-        mem = [f"{_gib(r[key])} ({_gib(m[key])}, {_gib(h.get(key))})" for key in ("kept", "forward_peak", "backward_peak")]
+        mem = [f"{_gib(r[key])} ({_gib(m[key])}, {_gib(h.get(key))})"
+               for key in ("kept", "forward_peak", "backward_peak")]
         ratio = r["backward_peak"] / m["backward_peak"] if m["backward_peak"] else NAN
         out.append(f"| {_tokens(r['tokens'])} | {r['world']} | {r['team']} | {r['heads']}/{r['kv_heads']} x "
                    f"{r['head_dim']} | {r['kernel']} | {r['rotation']} | {r['rank_ms']:.2f} | {share:.2f}{how} | "
@@ -238,7 +239,8 @@ def kit_parts(args, names=PARTS) -> list[Part]:
                                        heads=args.timing_heads, device=device, iters=args.iters,
                                        passed=passed(results)),
         "rank": dict(tokens=args.rank_tokens, configs=[list(c) for c in args.rank_configs],
-                     layouts=[[args.rank_heads, args.rank_kv_heads]], head_dim=args.rank_head_dim, dtype=rank_dtype, device=device,
+                     layouts=[[args.rank_heads, args.rank_kv_heads]], head_dim=args.rank_head_dim, dtype=rank_dtype,
+                     device=device,
                      iters=args.iters),
         "transport": dict(device=device),
     }

@@ -102,7 +102,7 @@ def session_parts(args, kit) -> list[Part]:
         "syncdebug": ("benchmarks.gpu_session_probes:sync_part", one),
         "transport": ("benchmarks.gpu_check_transport:transport_part", dict(device=device)),
         "gpt": ("benchmarks.gpu_session_gpt:gpt_part",
-                dict(configs=[[4, 2]] if cpu else [[8, 2], [16, 4]], shape=GPT_TOY if cpu else {}, device="cuda")),
+                dict(configs=[[4, 2]] if cpu else [[8, 2], [16, 4]], shape=GPT_TOY if cpu else {}, device="cuda:0")),
         "rank-1m": ("benchmarks.gpu_check_rank:rank_part",
                     dict(rank, tokens=big, iters=0, warmup=False, fused=False)),
     }
@@ -134,7 +134,8 @@ def sync_table(rows: list[dict]) -> list[str]:
 
 
 def gpt_table(rows: list[dict]) -> list[str]:
-    out = ["| CP | C | tokens | params | kernel | transport | step s | peak GiB | rehearsal peak GiB | peak / rehearsal |",
+    out = ["| CP | C | tokens | params | kernel | transport | step s | peak GiB | rehearsal peak GiB | "
+           "peak / rehearsal |",
            "|---|---|---|---|---|---|---|---|---|---|"]
     return out + [f"| {r['cp']} | {r['team']} | {r['seq_length']} | {r['params']} | {', '.join(r['kernels'])} | "
                   f"{', '.join(r['transports'])} | {r['step_seconds']:.2f} | {gpu_check._gib(r['peak_bytes'])} | "
@@ -147,9 +148,9 @@ def session_sections(results: dict) -> list[str]:
     rank_rows = [row for n in ("rank-128k", "rank-1m") if n in ran for row in ran[n].rows]
     if rank_rows:
         lines += ["", "## One StarTrail rank (no-op process group)", "",
-                  "Rank 1 of P, batch 1, causal, bf16; communication returns at once, so this is one rank's compute "
-                  "and memory. Efficiency = (fused SDPA fwd+bwd over the whole sequence / P) / rank time (at 1M the "
-                  "fused call is scaled from 128K by the square of the length). Memory: GiB above q, k, v, dO; "
+                  "Rank 1 of P, batch 1, causal, bf16 (fp32 in the CPU self-check); communication returns at "
+                  "once, so this is one rank's compute and memory. Efficiency = (fused SDPA fwd+bwd over the whole "
+                  "sequence / P) / rank time (at 1M the fused call is scaled from 128K by the square of the length). Memory: GiB above q, k, v, dO; "
                   "model `layer_memory_bytes`, rehearsal `benchmarks/results/fake_cuda_memory.json`.", ""]
         lines += gpu_check.rank_table(rank_rows) + gpu_check.efficiency_at_c2(rank_rows)
     sections = {"profile": ("## Kernel table of one rank (torch.profiler)", profile_table),

@@ -103,7 +103,7 @@ def gpt_step(cp: int, team: int, shape: dict, device: torch.device) -> dict:
             "peak_over_rehearsal": facts["peak_bytes"] / rehearsed if rehearsed else NAN}
 
 
-def gpt_part(items, configs: list[list[int]], shape: dict, device: str = "cuda") -> None:
+def gpt_part(items, configs: list[list[int]], shape: dict, device: str = "cuda:0") -> None:
     """Child side: one item per ``[cp, team]``, on the device, or on fake CUDA where this
     process was started with the shim (the CPU self-check: the rehearsal's stand-ins)."""
     from megatron_startrail.megatron import cpu_patches  # noqa: PLC0415
@@ -115,7 +115,7 @@ def gpt_part(items, configs: list[list[int]], shape: dict, device: str = "cuda")
     if fake_cuda():
         megatron_on_fake_cuda()
     else:
-        torch.cuda.set_device(dev)
+        torch.cuda.set_device(dev.index or 0)
         megatron_on_fake_group()
     items.run(configs, lambda c: [gpt_step(c[0], c[1], shape, dev)],
               lambda c: f"Megatron GPT step CP{c[0]} C{c[1]} {shape.get('seq_length', 131072)} tokens")

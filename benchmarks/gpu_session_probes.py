@@ -19,6 +19,7 @@ import contextlib
 import warnings
 
 import torch
+from torch.autograd import DeviceType
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.gpu_check_kernels import DTYPES, _timer
@@ -48,7 +49,9 @@ def profile_rank(world: int, team: int, tokens: int, heads: int, kv_heads: int, 
             layer_step(q, k, v, dout, groups, causal=True)
             if cuda:
                 torch.cuda.synchronize(device)
-    events = [(e, _device_us(e) if cuda else e.self_cpu_time_total) for e in prof.key_averages()]
+    # On a GPU the kernels' own events (a CPU op's self device time would count its kernels again)
+    averages = [e for e in prof.key_averages() if not cuda or getattr(e, "device_type", None) != DeviceType.CPU]
+    events = [(e, _device_us(e) if cuda else e.self_cpu_time_total) for e in averages]
     events = sorted(((e, t) for e, t in events if t > 0), key=lambda et: -et[1])
     total = sum(t for _, t in events)
     rows = [{"name": e.key[:120], "count": e.count, "self_ms": t / 1e3, "avg_us": t / e.count,

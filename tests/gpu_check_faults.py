@@ -23,23 +23,13 @@ def permuted_timing_part(items, **kwargs) -> None:
     gpu_check_kernels.timing_part(items, **kwargs)
 
 
-def dying_part(items, die_at: int, count: int) -> None:
-    """``count`` items; item ``die_at`` ends the process as a CUDA fault does (no row, no cleanup)."""
+def faulty_part(items, fault: str, at: int, count: int) -> None:
+    """``count`` items; item ``at`` ends the process as a CUDA fault does (``fault="die"``: no
+    row, no cleanup) or never returns (``"hang"``: a hung kernel)."""
 
     def run(i):
-        if i == die_at:
-            os._exit(134)
-        return [{"item": i}]
-
-    items.run(range(count), run, lambda i: f"item {i}")
-
-
-def hanging_part(items, hang_at: int, count: int) -> None:
-    """``count`` items; item ``hang_at`` never returns (a hung kernel)."""
-
-    def run(i):
-        if i == hang_at:
-            time.sleep(3600)
+        if i == at:
+            os._exit(134) if fault == "die" else time.sleep(3600)
         return [{"item": i}]
 
     items.run(range(count), run, lambda i: f"item {i}")

@@ -150,8 +150,8 @@ def test_a_dead_part_keeps_its_rows_and_the_others_run(tmp_path):
     reports the item it died in, and starts again after it; a hung part is stopped at its time;
     an item that raises is its error; the later parts run; the tables are written after each."""
     written = []
-    parts = [Part("dies", "tests.gpu_check_faults:dying_part", {"die_at": 1, "count": 3}, 60),
-             Part("hangs", "tests.gpu_check_faults:hanging_part", {"hang_at": 1, "count": 3}, 8),
+    parts = [Part("dies", "tests.gpu_check_faults:faulty_part", {"fault": "die", "at": 1, "count": 3}, 60),
+             Part("hangs", "tests.gpu_check_faults:faulty_part", {"fault": "hang", "at": 1, "count": 3}, 8),
              Part("raises", "tests.gpu_check_faults:raising_part", {"count": 3}, 60)]
     results = run_parts(parts, tmp_path / "log", 120, lambda r: written.append({n: p.status for n, p in r.items()}))
     dies, hangs, raises = (results[n] for n in ("dies", "hangs", "raises"))

@@ -246,7 +246,8 @@ def step_facts(opts, config, memory) -> dict:
         "cp": cp, "team": team, "rank": opts.rank, "seq_length": opts.seq_length,
         "shape": {k: getattr(opts, k) for k in ("layers", "hidden", "heads", "query_groups", "ffn", "vocab")},
         "params": params, "moved_to_cuda_bf16": moved, "live_bytes": live, "peak_bytes": peak, "step_marks": marks,
-        "static_closed_form": static_bytes(params, cp), "attention_activation_peak_planner": attention_bytes(opts, cp, team),
+        "static_closed_form": static_bytes(params, cp),
+        "attention_activation_peak_planner": attention_bytes(opts, cp, team),
         # Beyond what the rank holds between steps: activations, logits, the step's temporaries.
         "transient_bytes": peak - live["after_step"],
         "step_seconds": seconds, "loss": loss_facts, "update_successful": bool(updated),
