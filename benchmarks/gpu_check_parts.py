@@ -123,14 +123,16 @@ def child_main(argv=None) -> int:
 
 # --- parent side --------------------------------------------------------------------------
 
-def read_events(path: Path) -> tuple[list, list, int | None, str | None]:
-    """``(rows, errors, unfinished item, its name)`` from a rows file; a torn last line is ignored."""
-    rows, errors, started = [], [], {}
+def read_events(path: Path) -> tuple[list, list, int | None, int]:
+    """``(rows, errors, the item started and not ended, the last item seen (-1: none))`` from a
+    rows file; a torn last line is ignored."""
+    rows, errors, started, last = [], [], {}, -1
     for line in path.read_text().splitlines() if path.exists() else []:
         try:
             event = json.loads(line)
         except json.JSONDecodeError:
             continue
+        last = max(last, event.get("start", event.get("end", -1)))
         if "start" in event:
             started[event["start"]] = event["what"]
         elif "error" in event:
@@ -138,8 +140,7 @@ def read_events(path: Path) -> tuple[list, list, int | None, str | None]:
         else:
             started.pop(event["end"], None)
             rows += event["rows"]
-    unfinished = max(started) if started else None
-    return rows, errors, unfinished, started.get(unfinished)
+    return rows, errors, max(started) if started else None, last
 
 
 def _start(part: Part, kwargs: dict, rows: Path, skip: int, log) -> subprocess.Popen:
@@ -175,18 +176,18 @@ def run_part(part: Part, kwargs: dict, log_path: Path, deadline: float) -> PartR
             except subprocess.TimeoutExpired:
                 _kill(proc)
                 rc, timed_out = None, True
-            result.rows, result.errors, unfinished, what = read_events(rows_path)
+            result.rows, result.errors, unfinished, last = read_events(rows_path)
             if rc == 0:
                 break
             why = "timed out" if rc is None else f"the process died (exit {rc})"
-            if unfinished is None:
-                result.errors.append(f"{part.name}: {why} between items")
+            if unfinished is not None:  # the item it was in: its error
+                rows_path.write_text(rows_path.read_text() + json.dumps({"end": unfinished, "error": why}) + "\n")
+                result.rows, result.errors, _, _ = read_events(rows_path)
+            elif rc != LOST_DEVICE_EXIT:  # before the first item, or after an item ended
+                result.errors.append(f"{part.name}: {why} " + (f"after item {last}" if last >= 0 else "before an item"))
+            if rc is None or last < skip:  # out of time, or it died before reaching an item: no retry
                 break
-            rows_path.write_text(rows_path.read_text() + json.dumps({"end": unfinished, "error": why}) + "\n")
-            result.rows, result.errors, _, _ = read_events(rows_path)
-            if rc is None:
-                break
-            skip = unfinished + 1
+            skip = last + 1  # a fresh process, with a fresh CUDA context, from the next item
     result.seconds = time.monotonic() - start
     result.status = "timeout" if timed_out else ("errors" if result.errors else "ok")
     return result

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import time
 
-from benchmarks import gpu_check_kernels
+from benchmarks import gpu_check_kernels, gpu_check_parts
 
 
 def permuted_timing_part(items, **kwargs) -> None:
@@ -25,10 +25,15 @@ def permuted_timing_part(items, **kwargs) -> None:
 
 def faulty_part(items, fault: str, at: int, count: int) -> None:
     """``count`` items; item ``at`` ends the process as a CUDA fault does (``fault="die"``: no
-    row, no cleanup) or never returns (``"hang"``: a hung kernel)."""
+    row, no cleanup), never returns (``"hang"``: a hung kernel), or raises and leaves the device
+    unusable (``"lose"``: the runner sees its context lost and ends the process)."""
+    if fault == "lose":
+        gpu_check_parts.device_lost = lambda: True
 
     def run(i):
         if i == at:
+            if fault == "lose":
+                raise RuntimeError("CUDA error: an illegal memory access was encountered (pretend)")
             os._exit(134) if fault == "die" else time.sleep(3600)
         return [{"item": i}]
 

@@ -152,14 +152,17 @@ def test_a_dead_part_keeps_its_rows_and_the_others_run(tmp_path):
     written = []
     parts = [Part("dies", "tests.gpu_check_faults:faulty_part", {"fault": "die", "at": 1, "count": 3}, 60),
              Part("hangs", "tests.gpu_check_faults:faulty_part", {"fault": "hang", "at": 1, "count": 3}, 8),
+             Part("loses", "tests.gpu_check_faults:faulty_part", {"fault": "lose", "at": 0, "count": 2}, 60),
              Part("raises", "tests.gpu_check_faults:raising_part", {"count": 3}, 60)]
     results = run_parts(parts, tmp_path / "log", 120, lambda r: written.append({n: p.status for n, p in r.items()}))
-    dies, hangs, raises = (results[n] for n in ("dies", "hangs", "raises"))
+    dies, hangs, loses, raises = (results[n] for n in ("dies", "hangs", "loses", "raises"))
     assert dies.rows == [{"item": 0}, {"item": 2}] and dies.errors == ["item 1: the process died (exit 134)"]
     assert hangs.rows == [{"item": 0}] and hangs.errors == ["item 1: timed out"] and hangs.status == "timeout"
+    assert loses.rows == [{"item": 1}] and loses.errors == [
+        "item 0: RuntimeError: CUDA error: an illegal memory access was encountered (pretend)"]
     assert raises.rows == [{"item": 0}, {"item": 2}] and raises.status == "errors"
     assert raises.errors == ["item 1: RuntimeError: CUDA out of memory (pretend) at 1"]
-    assert [w["dies"] for w in written] == ["errors"] * 3 and written[0]["raises"] == "not run"
+    assert [w["dies"] for w in written] == ["errors"] * 4 and written[0]["raises"] == "not run"
 
 
 def test_cpu_selfcheck_runs_every_part(tmp_path):
