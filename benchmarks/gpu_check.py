@@ -48,7 +48,7 @@ TARGET_EFFICIENCY = 0.90  # issue 14: the block loop at C = 2 should reach 90% o
 PARTS = ("accuracy", "timing", "rank", "transport")
 # Each part's time limit in seconds on a GPU (a CPU self-check: CPU_TIMEOUT_S each).
 TIMEOUT_S = {"accuracy": 600, "timing": 300, "rank": 300, "transport": 120}
-CPU_TIMEOUT_S = 120
+CPU_TIMEOUT_S = 300  # toy sizes: the limit only stops a hung part, on a CI machine however loaded
 FUNCTIONS = {"accuracy": "benchmarks.gpu_check_kernels:accuracy_part",
              "timing": "benchmarks.gpu_check_kernels:timing_part",
              "rank": "benchmarks.gpu_check_rank:rank_part",

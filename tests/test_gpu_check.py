@@ -170,7 +170,7 @@ def test_cpu_selfcheck_runs_every_part(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.gpu_check", "--cpu-selfcheck", "--out", str(out), "--dtypes", "fp32,bf16"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     text = out.read_text()

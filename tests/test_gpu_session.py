@@ -25,7 +25,7 @@ def test_session_selfcheck_runs_every_part(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(["bash", "scripts/gpu_session.sh", "--cpu-selfcheck", "--out", str(tmp_path),
                            "--parts", ",".join(parts)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
+                          timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == ["gpu_check.json", "gpu_check.md", "gpu_session.json", "gpu_session.log", "gpu_session.md"]
