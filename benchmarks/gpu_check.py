@@ -1,21 +1,25 @@
 """The GPU validation kit behind ``scripts/gpu_check.sh`` (one CUDA GPU, PyTorch; no megatron).
 
-Four parts, one Markdown file (``benchmarks/results/gpu_check.md`` by default):
+Four parts, each in its own process with its own timeout (:mod:`benchmarks.gpu_check_parts`):
+a CUDA fault in one keeps every row written before it, and the others run. The Markdown table
+(``benchmarks/results/gpu_check.md`` by default) and a JSON of every row beside it are written
+after each part.
 
-1. every block kernel x {bf16, fp16, fp32} x {equal head dims, MLA dims} x the window classes
-   of a variable-length call (none, causal, a band, a band's cut edge) x {MHA, GQA}, forward +
-   backward against float64 (PASS / FAIL / SKIP with the reason);
-2. each usable fused kernel's forward + backward against torch SDPA on the same shapes;
-3. one StarTrail rank at long context through torch's no-op process group: its forward +
-   backward time against (one fused SDPA forward + backward over the whole sequence) / P,
-   and its peak ``torch.cuda.max_memory_allocated``.
+1. ``accuracy``: every block kernel x {bf16, fp16, fp32} x {equal head dims, MLA dims} x the
+   window classes of a variable-length call (none, causal, a band, a band's cut edge) x {MHA,
+   GQA} x {batch 1, batch 2, batch 2 as strided views of a fused QKV}, forward + backward
+   against float64 (PASS / FAIL / SKIP with the reason);
+2. ``timing``: each fused kernel that passed part 1, forward + backward against torch SDPA on
+   the same tensors, after checking that both compute the same;
+3. ``rank``: one StarTrail rank at long context through torch's no-op process group: its
+   forward + backward time against (one fused SDPA forward + backward over the whole
+   sequence) / P, and its memory against the model (``benchmarks/gpu_check_rank.py``);
+4. ``transport``: the NCCL transport on one GPU: eager group initialisation, a self exchange
+   on both channels, the timeline from CUDA events (``benchmarks/gpu_check_transport.py``).
 
-4. the NCCL transport on one GPU: eager group initialisation, a self exchange on both
-   channels, the timeline from CUDA events (``benchmarks/gpu_check_transport.py``).
-
-``--cpu-selfcheck`` runs all four at toy sizes on the CPU (the CI test does, in seconds):
-it checks the kit itself, not any GPU kernel. The exit status is 1 when any accuracy row
-FAILs (speed is reported, never fails the run).
+``--cpu-selfcheck`` runs all four at toy sizes on the CPU, each in its process as on a GPU
+(the CI test does, in seconds): it checks the kit itself, not any GPU kernel. The exit status
+is 1 when any accuracy row FAILs or any part reports an error (speed never fails the run).
 
     bash scripts/gpu_check.sh                      # the full check on cuda:0
     python -m benchmarks.gpu_check --cpu-selfcheck --out /tmp/gpu_check.md
@@ -24,21 +28,31 @@ FAILs (speed is reported, never fails the run).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import sys
+import tempfile
+from pathlib import Path
 
 import torch
 
-from benchmarks.gpu_check_kernels import DTYPE_NAMES, TOLERANCE, all_cases, check_case, time_kernel, _timer
-from benchmarks.gpu_check_rank import FusedRow, fused_sdpa, one_rank
-from benchmarks.gpu_check_transport import one_gpu_transport, transport_table
-from megatron_startrail.kernels import RULES, KernelRequest, choose_kernel, kernel_constraint, usable_backends
+from benchmarks.gpu_check_kernels import DTYPE_NAMES, DTYPES, TOLERANCE
+from benchmarks.gpu_check_parts import Part, run_parts
+from benchmarks.gpu_check_transport import TransportRow, transport_table
+from megatron_startrail.kernels import KernelRequest, choose_kernel, usable_backends
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join(ROOT, "benchmarks", "results", "gpu_check.md")
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TARGET_EFFICIENCY = 0.90  # issue 14: the block loop at C = 2 should reach 90% of the fused call
+PARTS = ("accuracy", "timing", "rank", "transport")
+# Each part's time limit in seconds on a GPU (a CPU self-check: CPU_TIMEOUT_S each).
+TIMEOUT_S = {"accuracy": 600, "timing": 300, "rank": 300, "transport": 120}
+CPU_TIMEOUT_S = 300  # toy sizes: the limit only stops a hung part, on a CI machine however loaded
+FUNCTIONS = {"accuracy": "benchmarks.gpu_check_kernels:accuracy_part",
+             "timing": "benchmarks.gpu_check_kernels:timing_part",
+             "rank": "benchmarks.gpu_check_rank:rank_part",
+             "transport": "benchmarks.gpu_check_transport:transport_part"}
 
 
 def _dims(text: str) -> tuple[int, int]:
@@ -68,8 +82,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rank-heads", type=int, default=None, help="default 16")
     p.add_argument("--rank-head-dim", type=int, default=None, help="default 128")
     p.add_argument("--iters", type=int, default=None, help="timed repetitions (median reported; default 5)")
+    p.add_argument("--rank-kv-heads", type=int, default=None, help="default: --rank-heads (MHA)")
     p.add_argument("--skip-timing", action="store_true")
     p.add_argument("--skip-rank", action="store_true")
+    p.add_argument("--budget-s", type=float, default=3600, help="time for all parts together")
     args = p.parse_args(argv)
     small = args.cpu_selfcheck
     defaults = dict(
@@ -83,12 +99,15 @@ def parse_args(argv=None) -> argparse.Namespace:
             setattr(args, name, value)
     if small:
         args.timing_heads = min(args.timing_heads, 2)
+    args.rank_kv_heads = args.rank_kv_heads or args.rank_heads
     args.dtypes = [DTYPES[d] for d in args.dtypes.split(",")]
     args.dims = [_dims(d) for d in args.dims.split(",")]
     args.kernels = args.kernels.split(",") if args.kernels else None
     args.device = torch.device(args.device)
     if args.device.type == "cuda" and not torch.cuda.is_available():
         p.error("no CUDA device: run on a GPU machine, or use --cpu-selfcheck")
+    args.parts = [n for n in PARTS if not (n == "timing" and args.skip_timing) and not (n == "rank" and args.skip_rank)]
+    args.command = " ".join(["python -m benchmarks.gpu_check"] + (argv if argv is not None else sys.argv[1:]))
     return args
 
 
@@ -106,143 +125,209 @@ def environment(device: torch.device) -> list[str]:
     return lines
 
 
-def _mib(x: float) -> str:
-    return "n/a (CPU)" if x != x else f"{x:.0f}"
-
-
 def _fmt(x: float) -> str:
     return f"{x:.1e}"
 
 
 def accuracy_table(rows) -> list[str]:
-    out = ["| kernel | dtype | head dims q/k, v | window (left, right) | heads q/kv | status | out | lse | dq | dk | dv | tol | note |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| kernel | dtype | head dims q/k, v | window (left, right) | heads q/kv | inputs | status | out | lse | "
+           "dq | dk | dv | tol | note |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        c = r.case
-        errs = [(_fmt(r.errors[n]) if n in r.errors else "") for n in ("out", "lse", "dq", "dk", "dv")]
-        out.append(f"| {c.kernel} | {DTYPE_NAMES[c.dtype]} | {c.dims[0]}, {c.dims[1]} | "
-                   f"{c.window} | {c.heads[0]}/{c.heads[1]} | {r.status} | "
-                   + " | ".join(errs) + f" | {TOLERANCE[c.dtype]:.0e} | {r.note} |")
+        errs = [(_fmt(r["errors"][n]) if n in r["errors"] else "") for n in ("out", "lse", "dq", "dk", "dv")]
+        out.append(f"| {r['kernel']} | {r['dtype']} | {r['dims'][0]}, {r['dims'][1]} | {tuple(r['window'])} | "
+                   f"{r['heads'][0]}/{r['heads'][1]} | {LAYOUT_NAMES[r['layout']]} | {r['status']} | "
+                   + " | ".join(errs) + f" | {TOLERANCE[DTYPES[r['dtype']]]:.0e} | {r['note']} |")
     return out
+
+
+LAYOUT_NAMES = {"b1": "batch 1", "b2": "batch 2", "qkv": "batch 2, fused-QKV views"}
 
 
 def timing_table(rows) -> list[str]:
-    out = ["| kernel | dtype | head dims q/k, v | mask | shape b x h x s x d | block kernel fwd+bwd ms | "
-           "torch SDPA fwd+bwd ms | SDPA / kernel |", "|---|---|---|---|---|---|---|---|"]
+    out = ["| kernel | dtype | head dims q/k, v | mask | shape b x h x s x d | vs SDPA | block kernel fwd+bwd ms | "
+           "torch SDPA fwd+bwd ms | SDPA / kernel |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r.kernel} | {DTYPE_NAMES[r.dtype]} | {r.dims[0]}, {r.dims[1]} | "
-                   f"{'causal' if r.causal else 'full'} | {r.shape} | {r.kernel_ms:.3f} | {r.sdpa_ms:.3f} | "
-                   f"{r.sdpa_ms / r.kernel_ms:.2f} |")
+        out.append(f"| {r['kernel']} | {r['dtype']} | {r['dims'][0]}, {r['dims'][1]} | "
+                   f"{'causal' if r['causal'] else 'full'} | {r['shape']} | {_fmt(r['vs_sdpa'])} | "
+                   f"{r['kernel_ms']:.3f} | {r['sdpa_ms']:.3f} | {r['sdpa_ms'] / r['kernel_ms']:.2f} |")
     return out
 
 
-def rank_table(rows, fused) -> list[str]:
-    out = ["| P | C | tokens | tokens/rank | heads x dim | dtype | kernel | rank fwd+bwd ms | "
-           "fused SDPA fwd+bwd / P ms | efficiency | rank peak MiB | fused SDPA peak MiB (whole seq) |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        share = fused.ms / r.world
-        out.append(f"| {r.world} | {r.team} | {r.tokens} | {r.tokens // r.world} | {r.heads} x {r.head_dim} | "
-                   f"{DTYPE_NAMES[r.dtype]} | {r.kernel} | {r.rank_ms:.2f} | {share:.2f} | {share / r.rank_ms:.2f} | "
-                   f"{_mib(r.rank_peak_mib)} | {_mib(fused.peak_mib)} |")
+def _gib(x) -> str:
+    """GiB with 3 decimals (MiB below 0.01 GiB: the CPU self-check's toy sizes)."""
+    if x is None or x != x:
+        return "n/a"
+    return f"{x / 2**30:.3f}" if x >= 2**30 / 100 else f"{x / 2**20:.2f} MiB"
+
+
+def _tokens(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def fused_share(rank: dict, fused_rows: list[dict]) -> tuple[float, str]:
+    """(fused SDPA fwd+bwd over the whole sequence / P in ms, how it was had): measured at this
+    length, else scaled from the longest measured length of these heads by (tokens ratio)^2
+    (causal attention's work; "extrapolated")."""
+    same = [f for f in fused_rows if (f["heads"], f["kv_heads"], f["head_dim"], f["dtype"])
+            == (rank["heads"], rank["kv_heads"], rank["head_dim"], rank["dtype"])]
+    exact = [f for f in same if f["tokens"] == rank["tokens"]]
+    if exact:
+        return exact[0]["ms"] / rank["world"], ""
+    if not same:
+        return NAN, ""
+    base = max(same, key=lambda f: f["tokens"])
+    return base["ms"] * (rank["tokens"] / base["tokens"]) ** 2 / rank["world"], \
+        f" (extrapolated from {_tokens(base['tokens'])})"
+
+
+NAN = float("nan")
+
+
+def rank_table(rows: list[dict]) -> list[str]:
+    """One row per rank run: time and efficiency, then memory (GiB above q, k, v, dO) measured,
+    modelled (``layer_memory_bytes``) and rehearsed on fake CUDA."""
+    fused = [r for r in rows if r["kind"] == "fused"]
+    out = ["| tokens | P | C | heads q/kv x dim | kernel | rotation | rank ms | fused SDPA / P ms | efficiency | "
+           "kept GiB (model, rehearsal) | fwd peak GiB (model, rehearsal) | bwd peak GiB (model, rehearsal) | "
+           "bwd peak / model |", "|" + "---|" * 13]
+    for r in (r for r in rows if r["kind"] == "rank"):
+        share, how = fused_share(r, fused)
+        m, h = r["model"], r.get("rehearsal") or {}
+        mem = [f"{_gib(r[key])} ({_gib(m[key])}, {_gib(h.get(key))})"
+               for key in ("kept", "forward_peak", "backward_peak")]
+        ratio = r["backward_peak"] / m["backward_peak"] if m["backward_peak"] else NAN
+        out.append(f"| {_tokens(r['tokens'])} | {r['world']} | {r['team']} | {r['heads']}/{r['kv_heads']} x "
+                   f"{r['head_dim']} | {r['kernel']} | {r['rotation']} | {r['rank_ms']:.2f} | {share:.2f}{how} | "
+                   f"{share / r['rank_ms']:.2f} | " + " | ".join(mem) + f" | {ratio:.2f} |")
     return out
+
+
+def efficiency_at_c2(rows: list[dict]) -> list[str]:
+    fused = [r for r in rows if r["kind"] == "fused"]
+    at_c2 = [fused_share(r, fused)[0] / r["rank_ms"] for r in rows if r["kind"] == "rank" and r["team"] == 2]
+    at_c2 = [e for e in at_c2 if e == e]
+    if not at_c2:
+        return []
+    verdict = "met" if min(at_c2) >= TARGET_EFFICIENCY else "NOT met"
+    return ["", f"Efficiency at C = 2: {min(at_c2):.2f} (target {TARGET_EFFICIENCY:.2f}: {verdict})."]
+
+
+def auto_choice(args) -> list[str]:
+    """Which kernel auto picks for each dtype and head dims on this device."""
+    available = usable_backends(args.device)
+    lines = ["| dtype | head dims q/k, v | kernel | reason |", "|---|---|---|---|"]
+    for dtype in args.dtypes:
+        for dims in args.dims:
+            choice = choose_kernel(KernelRequest(args.device.type, dtype, dims[0], dims[1], 1, available))
+            lines.append(f"| {DTYPE_NAMES[dtype]} | {dims[0]}, {dims[1]} | {choice.name} | {choice.reason} |")
+    return lines
+
+
+def kit_parts(args, names=PARTS) -> list[Part]:
+    """The kit's parts as :class:`Part` s (JSON arguments for their child processes)."""
+    device, dtypes = str(args.device), [DTYPE_NAMES[d] for d in args.dtypes]
+    dims = [list(d) for d in args.dims]
+    rank_dtype = "bf16" if args.device.type == "cuda" else "fp32"
+
+    def passed(results):  # the timing part times what passed the accuracy part (all, if it did not run)
+        rows = results["accuracy"].rows if "accuracy" in results and results["accuracy"].status != "not run" else None
+        return None if rows is None else [[r["kernel"], r["dtype"], r["dims"]] for r in rows if r["status"] == "PASS"]
+
+    kwargs = {
+        "accuracy": dict(dtypes=dtypes, dims=dims, kernels=args.kernels, block_seq=args.block_seq, device=device),
+        "timing": lambda results: dict(kernels=args.kernels, dtypes=dtypes, dims=dims, seq=args.timing_seq,
+                                       heads=args.timing_heads, device=device, iters=args.iters,
+                                       passed=passed(results)),
+        "rank": dict(tokens=args.rank_tokens, configs=[list(c) for c in args.rank_configs],
+                     layouts=[[args.rank_heads, args.rank_kv_heads]], head_dim=args.rank_head_dim, dtype=rank_dtype,
+                     device=device,
+                     iters=args.iters),
+        "transport": dict(device=device),
+    }
+    cpu = args.device.type != "cuda"
+    return [Part(n, FUNCTIONS[n], kwargs[n], CPU_TIMEOUT_S if cpu else TIMEOUT_S[n]) for n in names]
+
+
+def part_sections(args, results) -> list[str]:
+    """The Markdown of the kit's parts that ran."""
+    lines = []
+    ran = {name: r for name, r in results.items() if r.status != "not run"}
+    if "accuracy" in ran:
+        rows = ran["accuracy"].rows
+        counts = {s: sum(r["status"] == s for r in rows) for s in ("PASS", "FAIL", "SKIP")}
+        lines += ["", "## Block kernels vs float64 (forward + backward)", "",
+                  f"Blocks of {args.block_seq} query rows (full mask: {args.block_seq + args.block_seq // 2} keys) at "
+                  "batch 1, batch 2, and batch 2 as views of one fused QKV tensor (Megatron's split) with a "
+                  "transposed dO; errors are max |error| / max |reference|. "
+                  f"PASS {counts['PASS']}, FAIL {counts['FAIL']}, SKIP {counts['SKIP']}.", ""] + accuracy_table(rows)
+    if "timing" in ran:
+        lines += ["", "## Block kernel vs torch SDPA (same tensors)", "",
+                  f"Median of {args.iters} after a warm-up; kernels that passed part 1 only. `vs SDPA`: the largest "
+                  "relative difference of out, dQ, dK, dV from SDPA's, checked before timing (over twice the "
+                  "accuracy tolerance: not timed, an error).", ""] + timing_table(ran["timing"].rows)
+    if "rank" in ran:
+        rows = ran["rank"].rows
+        lines += ["", "## One StarTrail rank at long context (no-op process group)", "",
+                  "Rank 1 of P, batch 1, causal; communication returns at once (torch's fake process group), so "
+                  "this is one rank's compute and memory. Efficiency = (fused SDPA fwd+bwd over the whole sequence "
+                  f"/ P) / rank time; target >= {TARGET_EFFICIENCY:.0%} at C = 2. Memory: bytes above q, k, v, dO "
+                  "(`torch.cuda.max_memory_allocated`), beside `layer_memory_bytes` and the fake-CUDA rehearsal "
+                  "(`benchmarks/results/fake_cuda_memory.json`, GQA 32/8 x 128 bf16 only).", ""] + rank_table(rows)
+        lines += efficiency_at_c2(rows)
+    if "transport" in ran:
+        lines += ["", "## The transport on one device", "",
+                  "A world of one real process group: eager group initialisation, a P2P exchange with itself on the "
+                  "ring and side channels, the timeline (CUDA events on NCCL). Two ranks' matching and overlap need "
+                  "two GPUs; the CPU suite's NCCL-rules mode checks the matching.", ""]
+        lines += transport_table([TransportRow(**r) for r in ran["transport"].rows])
+    return lines
+
+
+def transport_errors(results) -> list[str]:
+    r = results.get("transport")
+    return [f"transport: {row['check']}: {row['detail']}" for row in (r.rows if r else []) if not row["ok"]]
+
+
+def write_report(path: str, title: str, args, results: dict, sections: list[str]) -> None:
+    """``path`` (Markdown) and ``path`` with ``.json`` (every row): rewritten after each part."""
+    errors = [e for r in results.values() for e in r.errors] + transport_errors(results)
+    lines = [f"# {title}", "", f"Command: `{args.command}`", ""] + environment(args.device)
+    lines += ["", "Parts (each its own process): " + ", ".join(
+        f"{r.name} {r.status} ({r.seconds:.0f} s)" for r in results.values()) + "."]
+    lines += sections
+    if errors:
+        lines += ["", "## Errors", ""] + [f"- {e}" for e in errors]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text("\n".join(lines) + "\n")
+    data = {"command": args.command, "environment": environment(args.device),
+            "parts": {n: {"status": r.status, "seconds": r.seconds, "errors": r.errors, "rows": r.rows}
+                      for n, r in results.items()}}
+    Path(path).with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
+
+
+def failed(results: dict) -> bool:
+    rows = results["accuracy"].rows if "accuracy" in results else []
+    return any(r.errors for r in results.values()) or any(r["status"] == "FAIL" for r in rows) \
+        or bool(transport_errors(results))
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    device = args.device
-    available = usable_backends(device)
-    lines = ["# gpu_check: StarTrail block kernels on one device", "",
-             f"Command: `{' '.join(['python -m benchmarks.gpu_check'] + (argv if argv is not None else sys.argv[1:]))}`",
-             ""] + environment(device)
+    if args.cpu_selfcheck:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")  # toy sizes: threads only contend (the parts inherit it)
+    sections = ["", "## Automatic choice on this device", ""] + auto_choice(args)
 
-    # Which kernel auto picks for each dtype and head dims on this device.
-    lines += ["", "## Automatic choice on this device", "", "| dtype | head dims q/k, v | kernel | reason |",
-              "|---|---|---|---|"]
-    for dtype in args.dtypes:
-        for dims in args.dims:
-            choice = choose_kernel(KernelRequest(device.type, dtype, dims[0], dims[1], 1, available))
-            lines.append(f"| {DTYPE_NAMES[dtype]} | {dims[0]}, {dims[1]} | {choice.name} | {choice.reason} |")
+    def write(results):
+        write_report(args.out, "gpu_check: StarTrail block kernels on one device", args, results,
+                     sections + part_sections(args, results))
 
-    errors = []  # a part that raised (out of memory, an API this torch lacks): reported, exit 1
-
-    def attempt(what, fn):
-        try:
-            return fn()
-        except Exception as err:  # noqa: BLE001 - reported in the table and the exit status
-            errors.append(f"{what}: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}")
-            print(f"[gpu_check] ERROR {errors[-1]}", flush=True)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            return None
-
-    # 1. accuracy
-    rows = [check_case(c, args.block_seq, device, available) for c in all_cases(args.dtypes, args.dims, args.kernels)]
-    counts = {s: sum(r.status == s for r in rows) for s in ("PASS", "FAIL", "SKIP")}
-    print(f"[gpu_check] accuracy: {counts}", flush=True)
-    lines += ["", "## Block kernels vs float64 (forward + backward)", "",
-              f"Blocks of {args.block_seq} query rows, batch 2 (full mask: {args.block_seq + args.block_seq // 2} keys); "
-              "errors are max |error| / max |reference|. "
-              f"PASS {counts['PASS']}, FAIL {counts['FAIL']}, SKIP {counts['SKIP']}.", ""] + accuracy_table(rows)
-
-    # 2. speed against torch SDPA
-    if not args.skip_timing:
-        timer = _timer(device)
-        timing = []
-        for name in args.kernels or [rule.name for rule in RULES]:
-            if name == "reference":
-                continue  # materializes the score matrix: not a speed contender
-            for dtype in args.dtypes:
-                for dims in args.dims:
-                    req = KernelRequest(device.type, dtype, dims[0], dims[1], 1, available)
-                    passed = any(r.status == "PASS" and r.case.kernel == name and r.case.dtype == dtype
-                                 and r.case.dims == dims for r in rows)
-                    if kernel_constraint(name, req) is None and passed:
-                        for causal in (True, False):
-                            row = attempt(f"timing {name} {DTYPE_NAMES[dtype]} {dims} causal={causal}",
-                                          lambda: time_kernel(name, dtype, dims, causal, args.timing_seq,
-                                                              args.timing_heads, device, args.iters))
-                            timing += [row] if row else []
-        lines += ["", "## Block kernel vs torch SDPA (same shapes)", "",
-                  f"Median of {args.iters} after a warm-up; kernels that passed part 1 only."]
-        lines += [""] + timing_table(timing)
-
-    # 3. one StarTrail rank at long context
-    if not args.skip_rank:
-        timer = _timer(device)
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        fused = attempt("fused SDPA over the whole sequence", lambda: fused_sdpa(
-            args.rank_tokens, args.rank_heads, args.rank_head_dim, dtype, device, timer, args.iters))
-        ranks = []
-        for p, c in args.rank_configs:
-            row = attempt(f"one rank P={p} C={c}", lambda: one_rank(
-                p, c, args.rank_tokens, args.rank_heads, args.rank_head_dim, dtype, device, timer, args.iters))
-            ranks += [row] if row else []
-        fused = fused or FusedRow(args.rank_tokens, float("nan"), float("nan"))
-        lines += ["", "## One StarTrail rank at long context (no-op process group)", "",
-                  "Rank 0 of P, batch 1, causal; communication returns at once (torch's fake process group), so "
-                  "this is one rank's compute and memory. Efficiency = (fused SDPA fwd+bwd over the whole sequence "
-                  f"/ P) / rank time; target >= {TARGET_EFFICIENCY:.0%} at C = 2.", ""] + rank_table(ranks, fused)
-        at_c2 = [fused.ms / r.world / r.rank_ms for r in ranks if r.team == 2]
-        if at_c2:
-            verdict = "met" if min(at_c2) >= TARGET_EFFICIENCY else "NOT met"
-            lines += ["", f"Efficiency at C = 2: {min(at_c2):.2f} (target {TARGET_EFFICIENCY:.2f}: {verdict})."]
-
-    # 4. the NCCL transport on one GPU (gloo in the CPU self-check)
-    transport = attempt("transport on one device", lambda: one_gpu_transport(device)) or []
-    errors += [f"transport: {r.check}: {r.detail}" for r in transport if not r.ok]
-    lines += ["", "## The transport on one device", "",
-              "A world of one real process group: eager group initialisation, a P2P exchange with itself on the "
-              "ring and side channels, the timeline (CUDA events on NCCL). Two ranks' matching and overlap need "
-              "two GPUs; the CPU suite's NCCL-rules mode checks the matching.", ""] + transport_table(transport)
-
-    if errors:
-        lines += ["", "## Errors", ""] + [f"- {e}" for e in errors]
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"[gpu_check] wrote {args.out}", flush=True)
-    return 1 if counts["FAIL"] or errors else 0
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "parts.log"
+        results = run_parts(kit_parts(args, args.parts), log, args.budget_s, write)
+        if any(r.errors for r in results.values()):
+            sys.stderr.write(log.read_text()[-6000:])
+    print(f"[gpu_check] wrote {args.out} and {Path(args.out).with_suffix('.json')}", flush=True)
+    return 1 if failed(results) else 0
 
 
 if __name__ == "__main__":

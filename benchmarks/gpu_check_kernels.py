@@ -1,12 +1,20 @@
 """Every block kernel against float64, and its speed against torch SDPA (part of gpu_check).
 
 Accuracy: each kernel of :data:`megatron_startrail.kernels.RULES` x dtype x head dims x
-window x heads runs forward and backward on one variable-length call (Note [kernel calls]
+window x heads x input layout (:data:`LAYOUTS`: batch 1, batch 2, and batch 2 as strided views
+of a fused QKV tensor with a transposed dO, as Megatron hands them) runs forward and backward
+on one variable-length call (Note [kernel calls]
 in megatron_startrail.layout: three sequences of unequal query and key lengths, flash-attn's
 window rule, causal aligned bottom-right); out, lse and dq/dk/dv are compared with the
 reference kernel in float64 on the same (rounded) inputs. A combination the kernel cannot
 take is a SKIP row with the selection rules' reason (or the ImportError), never a PASS.
 Lengths are not multiples of 32, so the efficient op's lse row padding is exercised.
+
+Speed: each kernel's forward + backward against SDPA's on the same tensors, after checking
+that both compute the same (:func:`agreement`).
+
+``accuracy_part`` and ``timing_part`` are the kit's parts: each runs in its own process
+(:mod:`benchmarks.gpu_check_parts`), one item per case.
 """
 
 from __future__ import annotations
@@ -17,12 +25,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from megatron_startrail.kernels import RULES, KernelRequest, ReferenceKernel, kernel_constraint, make_kernel
+from benchmarks.gpu_check_parts import device_lost
+from megatron_startrail.kernels import (RULES, KernelRequest, ReferenceKernel, kernel_constraint, make_kernel,
+                                        usable_backends)
 from megatron_startrail.layout import KernelCall
 
 # max |error| / max |reference| allowed, per input dtype (as the project's tests use).
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
 
 @dataclass
@@ -32,10 +43,17 @@ class Case:
     dims: tuple[int, int]  # (q/k head dim, v head dim)
     window: tuple[int, int]  # flash-attn's (left, right) of the call; (-1, 0) causal, (-1, -1) none
     heads: tuple[int, int]  # (query heads, kv heads)
+    layout: str = "b2"  # a key of LAYOUTS
 
     @property
     def causal(self) -> bool:
         return self.window == (-1, 0)
+
+
+# How the inputs reach the kernel: (batch, strided). "qkv": q, k, v are views of one fused
+# tensor as Megatron's SelfAttention splits its linear_qkv output (``[T, b, hkv, (g + 2) * d]``
+# split on the last dim: k, v strided views, q a view for MHA), dO a transposed view.
+LAYOUTS = {"b1": (1, False), "b2": (2, False), "qkv": (2, True)}
 
 
 @dataclass
@@ -44,6 +62,12 @@ class AccuracyRow:
     status: str  # PASS / FAIL / SKIP
     errors: dict[str, float]
     note: str
+
+    def to_json(self) -> dict:
+        c = self.case
+        return {"kernel": c.kernel, "dtype": DTYPE_NAMES[c.dtype], "dims": list(c.dims), "window": list(c.window),
+                "heads": list(c.heads), "layout": c.layout, "status": self.status, "errors": self.errors,
+                "note": self.note}
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -54,12 +78,12 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 WINDOWS = ((-1, -1), (-1, 0), (37, 0), (0, -1))
 
 
-def all_cases(dtypes, dims_list, kernels=None) -> list[Case]:
+def all_cases(dtypes, dims_list, kernels=None, layouts=tuple(LAYOUTS)) -> list[Case]:
     names = kernels or [rule.name for rule in RULES]
     return [
-        Case(name, dtype, dims, window, heads)
+        Case(name, dtype, dims, window, heads, layout)
         for name in names for dtype in dtypes for dims in dims_list
-        for window in WINDOWS for heads in ((8, 8), (8, 2))
+        for window in WINDOWS for heads in ((8, 8), (8, 2)) for layout in layouts
     ]
 
 
@@ -70,13 +94,25 @@ def varlen_call(seq: int, window: tuple[int, int]) -> KernelCall:
     return KernelCall.back_to_back([(seq, seq), (seq // 2 + 3, seq + 5), (seq - 7, seq + 1)], window)
 
 
+def _rounded(shape, dtype, gen) -> torch.Tensor:
+    return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+
+
 def _inputs(case: Case, call: KernelCall, device, seed: int = 0):
-    """q, k, v, dout ``[T, b, h, d]`` in float64, already rounded to the case's dtype."""
+    """q, k, v, dout ``[T, b, h, d]`` in the case's dtype, laid out as ``case.layout`` says."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     (h, hkv), (dqk, dv) = case.heads, case.dims
+    batch, strided = LAYOUTS[case.layout]
     tq, tk = call.cu_seqlens_q[-1], call.cu_seqlens_k[-1]
-    shapes = [(tq, 2, h, dqk), (tk, 2, hkv, dqk), (tk, 2, hkv, dv), (tq, 2, h, dv)]
-    return [torch.randn(s, generator=gen, dtype=torch.float64).to(case.dtype).to(device).double() for s in shapes]
+    if not strided:
+        shapes = [(tq, batch, h, dqk), (tk, batch, hkv, dqk), (tk, batch, hkv, dv), (tq, batch, h, dv)]
+        return [_rounded(s, case.dtype, gen).to(device) for s in shapes]
+    g = h // hkv
+    fused = _rounded((max(tq, tk), batch, hkv, g * dqk + dqk + dv), case.dtype, gen).to(device)
+    q, k, v = torch.split(fused, [g * dqk, dqk, dv], dim=3)
+    q = q[:tq].reshape(tq, batch, h, dqk)  # a strided view for MHA; Megatron's reshape copies for GQA
+    dout = _rounded((batch, tq, h, dv), case.dtype, gen).to(device).transpose(0, 1)
+    return [q, k[:tk], v[:tk], dout]
 
 
 def check_case(case: Case, seq: int, device: torch.device, available: frozenset[str]) -> AccuracyRow:
@@ -90,53 +126,72 @@ def check_case(case: Case, seq: int, device: torch.device, available: frozenset[
     except ImportError as err:
         return AccuracyRow(case, "SKIP", {}, f"not importable: {err}")
     call = varlen_call(seq, case.window)
-    q, k, v, dout = _inputs(case, call, device)
+    x = _inputs(case, call, device)
+    q, k, v, dout = (t.double() for t in x)  # the same values, contiguous, in float64
     scale = dqk**-0.5
     ref = ReferenceKernel()
     ref_out, ref_lse = ref.forward(q, k, v, call, scale=scale)
     ref_grads = ref.backward(dout, q, k, v, ref_out, ref_lse, call, scale=scale)
-    x = [t.to(case.dtype) for t in (q, k, v, dout)]
     try:
         with torch.no_grad():
             out, lse = kernel.forward(x[0], x[1], x[2], call, scale=scale)
             grads = kernel.backward(x[3], x[0], x[1], x[2], out, lse, call, scale=scale)
     except Exception as err:  # noqa: BLE001 - a kernel that raises is a failed row, reported
+        if device_lost():
+            raise  # the context is gone: the part's process ends, the runner reports this case
         return AccuracyRow(case, "FAIL", {}, f"{type(err).__name__}: {str(err).splitlines()[0][:160]}")
+    if out.shape != ref_out.shape or lse.shape != ref_lse.shape or lse.dtype != torch.float32:
+        return AccuracyRow(case, "FAIL", {}, f"out {tuple(out.shape)} / lse {tuple(lse.shape)} {lse.dtype}: "
+                           f"want {tuple(ref_out.shape)} / {tuple(ref_lse.shape)} float32")
     errors = {"out": relative_error(out, ref_out), "lse": relative_error(lse, ref_lse)}
     for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
         if got.shape != want.shape:
             return AccuracyRow(case, "FAIL", errors, f"{name} shape {tuple(got.shape)} != {tuple(want.shape)}")
         errors[name] = relative_error(got, want)
-    shape_ok = out.shape == ref_out.shape and lse.shape == ref_lse.shape and lse.dtype == torch.float32
-    ok = shape_ok and all(e <= TOLERANCE[case.dtype] for e in errors.values())
-    return AccuracyRow(case, "PASS" if ok else "FAIL", errors, "" if shape_ok else "out/lse shape or lse dtype")
+    ok = all(e <= TOLERANCE[case.dtype] for e in errors.values())
+    return AccuracyRow(case, "PASS" if ok else "FAIL", errors, "")
+
+
+def accuracy_part(items, dtypes: list[str], dims: list[list[int]], kernels: list[str] | None, block_seq: int,
+                  device: str, layouts: list[str] | None = None) -> None:
+    """The kit's accuracy part (child side): one item per case."""
+    dev = torch.device(device)
+    available = usable_backends(dev)
+    cases = all_cases([DTYPES[d] for d in dtypes], [tuple(d) for d in dims], kernels, layouts or tuple(LAYOUTS))
+    items.run(cases, lambda c: [check_case(c, block_seq, dev, available).to_json()], describe)
+
+
+def describe(case: Case) -> str:
+    return (f"accuracy {case.kernel} {DTYPE_NAMES[case.dtype]} {case.dims} window={case.window} "
+            f"heads={case.heads} {case.layout}")
 
 
 # --- speed ------------------------------------------------------------------------------
 
 def _timer(device: torch.device):
+    """``run(fn, iters, warm=True)``: the median of ``iters`` timed calls (ms), after one untimed
+    call when ``warm``; CUDA events on a GPU, the host clock on the CPU."""
     if device.type == "cuda":
-        def run(fn, iters):
-            fn()  # warm-up (and autotuning)
-            torch.cuda.synchronize(device)
+        def clock(fn):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            times = []
-            for _ in range(iters):
-                start.record()
-                fn()
-                end.record()
-                torch.cuda.synchronize(device)
-                times.append(start.elapsed_time(end))
-            return sorted(times)[len(times) // 2]
-    else:
-        def run(fn, iters):
+            torch.cuda.synchronize(device)
+            start.record()
             fn()
-            times = []
-            for _ in range(iters):
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-            return sorted(times)[len(times) // 2]
+            end.record()
+            torch.cuda.synchronize(device)
+            return start.elapsed_time(end)
+    else:
+        def clock(fn):
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e3
+
+    def run(fn, iters, warm=True):
+        if warm:
+            fn()  # warm-up (and autotuning)
+        times = sorted(clock(fn) for _ in range(iters))
+        return times[len(times) // 2]
+
     return run
 
 
@@ -149,15 +204,52 @@ class TimingRow:
     shape: str
     kernel_ms: float
     sdpa_ms: float
+    vs_sdpa: float  # max relative difference of out, dq, dk, dv from SDPA's, checked before timing
+
+    def to_json(self) -> dict:
+        return {"kernel": self.kernel, "dtype": DTYPE_NAMES[self.dtype], "dims": list(self.dims),
+                "causal": self.causal, "shape": self.shape, "kernel_ms": self.kernel_ms, "sdpa_ms": self.sdpa_ms,
+                "vs_sdpa": self.vs_sdpa}
 
 
-def time_kernel(name: str, dtype, dims, causal: bool, seq: int, heads: int, device, iters: int) -> TimingRow:
-    """One block kernel's forward + backward (one call of one sequence) vs
-    ``F.scaled_dot_product_attention`` forward + backward (autograd) on the same inputs."""
+def timing_inputs(seq: int, heads: int, dims, dtype, device):
+    """``(q, k, v, dout)`` ``[seq, 1, heads, d]`` as the block kernels take them, and the same
+    tensors as ``[1, heads, seq, d]`` views for SDPA (its leaves q, k, v need grad)."""
     dqk, dv = dims
     gen = torch.Generator(device="cpu").manual_seed(1)
     q, k = (torch.randn(seq, 1, heads, dqk, generator=gen).to(device, dtype) for _ in range(2))
     v, dout = (torch.randn(seq, 1, heads, dv, generator=gen).to(device, dtype) for _ in range(2))
+    block = (q, k, v, dout)
+    qs, ks, vs, douts = (t.permute(1, 2, 0, 3) for t in block)
+    return block, (*(t.detach().requires_grad_(True) for t in (qs, ks, vs)), douts)
+
+
+def agreement(block_result, sdpa_result, dtype) -> float:
+    """The block kernel's ``(out, (dq, dk, dv))`` (``[seq, 1, h, d]``) against SDPA's
+    (``[1, h, seq, d]``): the largest relative difference; a ValueError naming the tensor when
+    a shape differs or a difference is over twice the accuracy tolerance (both are rounded).
+    A kit that hands the kernel other tensors than SDPA's (9ee7a82: its permuted views) fails here."""
+    worst = 0.0
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (block_result[0], *block_result[1]),
+                               (sdpa_result[0], *sdpa_result[1])):
+        got = got.permute(1, 2, 0, 3) if got.dim() == 4 else got
+        if got.shape != want.shape:
+            raise ValueError(f"the block kernel's {name} has shape {tuple(got.shape)} (as SDPA's layout), SDPA's "
+                             f"{tuple(want.shape)}: the kernel was not handed SDPA's tensors")
+        err = relative_error(got, want.double())
+        if not err <= 2 * TOLERANCE[dtype]:
+            raise ValueError(f"the block kernel's {name} differs from SDPA's by {err:.1e} (max |diff| / max |SDPA|), "
+                             f"over {2 * TOLERANCE[dtype]:.0e}: not timed")
+        worst = max(worst, err)
+    return worst
+
+
+def time_kernel(name: str, dtype, dims, causal: bool, seq: int, heads: int, device, iters: int) -> TimingRow:
+    """One block kernel's forward + backward (one call of one sequence) vs
+    ``F.scaled_dot_product_attention`` forward + backward (autograd) on the same inputs, after
+    checking that both compute the same (:func:`agreement`)."""
+    dqk, dv = dims
+    (q, k, v, dout), (qs, ks, vs, douts) = timing_inputs(seq, heads, dims, dtype, device)
     scale = dqk**-0.5
     kernel = make_kernel(name)
     timer = _timer(device)
@@ -166,14 +258,38 @@ def time_kernel(name: str, dtype, dims, causal: bool, seq: int, heads: int, devi
     def block():
         with torch.no_grad():
             out, lse = kernel.forward(q, k, v, call, scale=scale)
-            kernel.backward(dout, q, k, v, out, lse, call, scale=scale)
-
-    q, k, v, dout = (t.permute(1, 2, 0, 3) for t in (q, k, v, dout))  # [1, heads, seq, d] for SDPA
-    qs, ks, vs = (t.detach().requires_grad_(True) for t in (q, k, v))
+            return out, kernel.backward(dout, q, k, v, out, lse, call, scale=scale)
 
     def sdpa():
         out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=scale)
-        torch.autograd.grad(out, (qs, ks, vs), dout)
+        return out, torch.autograd.grad(out, (qs, ks, vs), douts)
 
+    vs_sdpa = agreement(block(), sdpa(), dtype)
     shape = f"1x{heads}x{seq}x{dqk}/{dv}"
-    return TimingRow(name, dtype, dims, causal, shape, timer(block, iters), timer(sdpa, iters))
+    return TimingRow(name, dtype, dims, causal, shape, timer(block, iters), timer(sdpa, iters), vs_sdpa)
+
+
+def timing_combinations(kernels, dtypes, dims_list, device, passed=None) -> list[tuple]:
+    """(kernel, dtype, dims, causal) to time: the kernel takes them on this device and, when
+    ``passed`` (``[kernel, dtype name, dims]`` lists) is given, it passed the accuracy part there."""
+    available = usable_backends(device)
+    combos = []
+    for name in kernels or [rule.name for rule in RULES]:
+        if name == "reference":
+            continue  # materializes the score matrix: not a speed contender
+        for dtype in dtypes:
+            for dims in dims_list:
+                req = KernelRequest(device.type, dtype, dims[0], dims[1], 1, available)
+                if kernel_constraint(name, req) is None and (
+                        passed is None or [name, DTYPE_NAMES[dtype], list(dims)] in passed):
+                    combos += [(name, dtype, tuple(dims), causal) for causal in (True, False)]
+    return combos
+
+
+def timing_part(items, kernels: list[str] | None, dtypes: list[str], dims: list[list[int]], seq: int, heads: int,
+                device: str, iters: int, passed: list | None = None) -> None:
+    """The kit's timing part (child side): one item per (kernel, dtype, dims, causal)."""
+    dev = torch.device(device)
+    combos = timing_combinations(kernels, [DTYPES[d] for d in dtypes], dims, dev, passed)
+    items.run(combos, lambda c: [time_kernel(*c, seq, heads, dev, iters).to_json()],
+              lambda c: f"timing {c[0]} {DTYPE_NAMES[c[1]]} {c[2]} causal={c[3]}")

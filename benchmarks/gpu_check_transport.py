@@ -81,3 +81,9 @@ def one_gpu_transport(device: torch.device) -> list[TransportRow]:
 def transport_table(rows: list[TransportRow]) -> list[str]:
     return ["| check | result | detail |", "|---|---|---|"] + [
         f"| {r.check} | {'ok' if r.ok else 'FAILED'} | {r.detail} |" for r in rows]
+
+
+def transport_part(items, device: str) -> None:
+    """The kit's transport part (child side): one item."""
+    items.run([device], lambda d: [vars(r) for r in one_gpu_transport(torch.device(d))],
+              lambda d: f"transport on {d}")

@@ -15,7 +15,7 @@ TEXT_SUFFIXES = (".py", ".md", ".sh")
 MD_NAME = re.compile(r"[A-Za-z0-9_./-]*[A-Za-z0-9_-]+\.md\b")
 # Markdown files that scripts write (``--out OUT`` gives OUT.md; gpu_check's table): named
 # as outputs, not cited.
-WRITTEN = {"OUT.md", "gpu_check.md"}
+WRITTEN = {"OUT.md", "gpu_check.md", "gpu_session.md"}
 # A lent GPU's results, committed as the device wrote them (they name its $OUT files).
 RAW_GPU_RESULTS = os.path.join("benchmarks", "results", "gpu") + os.sep
 DESIGN_SECTION = re.compile(r'docs/design\.md, "([^"]+)"')

@@ -25,8 +25,17 @@ def megatron_on_fake_cuda() -> None:
     to be (fake) CUDA ones."""
     if _installed:
         return
-    _installed.append(True)
     cpu_patches.apply(cuda_tensors_to_cpu=False)
+    megatron_on_fake_group()
+
+
+def megatron_on_fake_group() -> None:
+    """What Megatron needs of torch's fake process group, on fake CUDA or a real device (the
+    GPU session's GPT step, ``benchmarks/gpu_session_gpt.py``): objects gathered as this rank's,
+    bucket collectives one by one, the grad norm on the device."""
+    if _installed:
+        return
+    _installed.append(True)
     # Host objects go through the process group as pickled byte tensors, which the fake group
     # leaves unfilled (and FakeTensors hold no bytes to unpickle). Every rank of this world
     # builds the same model, so each rank's object is this one's (Megatron's optimizer checks

@@ -206,7 +206,25 @@ def run(opts, cp: int, team: int) -> dict:
     with fake_cuda_rank(opts.rank, cp, stand_in_values=True) as (_, rules), \
             LiveStorages(device_type="cuda") as memory, \
             used_kernels_and_transports() as used:
-        parallel_state.initialize_model_parallel(context_parallel_size=cp, create_gloo_process_groups=False)
+        facts = step_facts(opts, config, memory)
+    return {
+        **facts,
+        "syncs": [list(s) for s in rules.syncs], "mixed": [list(m) for m in rules.mixed],
+        "cuda_queries": [list(q) for q in rules.cuda_queries], "stand_ins": [list(v) for v in rules.stand_ins],
+        "kernels": sorted(used["kernels"]), "transports": sorted(used["transports"]),
+        "transport_classes": sorted(used["transport_classes"]),
+        "attention_ops": sorted({str(f) for f in rules.ops if "attention" in str(f)}),
+    }
+
+
+def step_facts(opts, config, memory) -> dict:
+    """Builds the model and runs one training step as rank ``opts.rank`` of ``opts.cp`` (the
+    process group made by the caller: fake CUDA's here, a real device's in
+    ``benchmarks/gpu_session_gpt.py``); ``memory`` has ``live``, ``peak``, ``reset_peak()`` and
+    ``live_by_op()`` (:class:`tests.fake_cuda.memory.LiveStorages` or the CUDA allocator's)."""
+    cp, team = opts.cp, opts.team
+    parallel_state.initialize_model_parallel(context_parallel_size=cp, create_gloo_process_groups=False)
+    try:
         model_parallel_cuda_manual_seed(1234)
         gpt, model, optimizer, moved = build(opts, config)
         params = sum(p.numel() for p in gpt.parameters())
@@ -222,21 +240,17 @@ def run(opts, cp: int, team: int) -> dict:
         peak = memory.peak
         loss_facts = {"shape": list(loss.shape), "dtype": str(loss.dtype), "device": str(loss.device)}
         del gpt, model, optimizer, batch, loss
+    finally:
         parallel_state.destroy_model_parallel()
-    static = static_bytes(params, cp)
     return {
         "cp": cp, "team": team, "rank": opts.rank, "seq_length": opts.seq_length,
         "shape": {k: getattr(opts, k) for k in ("layers", "hidden", "heads", "query_groups", "ffn", "vocab")},
         "params": params, "moved_to_cuda_bf16": moved, "live_bytes": live, "peak_bytes": peak, "step_marks": marks,
-        "static_closed_form": static, "attention_activation_peak_planner": attention_bytes(opts, cp, team),
+        "static_closed_form": static_bytes(params, cp),
+        "attention_activation_peak_planner": attention_bytes(opts, cp, team),
         # Beyond what the rank holds between steps: activations, logits, the step's temporaries.
         "transient_bytes": peak - live["after_step"],
         "step_seconds": seconds, "loss": loss_facts, "update_successful": bool(updated),
-        "syncs": [list(s) for s in rules.syncs], "mixed": [list(m) for m in rules.mixed],
-        "cuda_queries": [list(q) for q in rules.cuda_queries], "stand_ins": [list(v) for v in rules.stand_ins],
-        "kernels": sorted(used["kernels"]), "transports": sorted(used["transports"]),
-        "transport_classes": sorted(used["transport_classes"]),
-        "attention_ops": sorted({str(f) for f in rules.ops if "attention" in str(f)}),
     }
 
 
