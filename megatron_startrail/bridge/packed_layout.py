@@ -18,7 +18,11 @@ So the attention modules of the Bridge spec say what Bridge did: a THD ``PackedS
 without padded boundaries gets its real ones as padded boundaries (spans with no padding,
 each a document; Bridge's partition already required each to be a multiple of 2*CP).
 Everything downstream then sees the document layout: Megatron's THD RoPE, the MLA
-per-document RoPE, StarTrail's core attention.
+per-document RoPE, StarTrail's core attention. The other consumer of the layout, the MTP roll
+of labels, loss mask, input and position ids (``--mtp-num-layers``; GPTModel hands it Bridge's
+parameters, not the attention's), takes the copy the attention recorded on Bridge's
+parameters (``megatron/mtp_roll.py``): the decoder's attention runs before every MTP roll of
+the micro-batch (the Bridge spec refuses an MTP stage without a decoder layer).
 """
 
 from __future__ import annotations
@@ -26,18 +30,25 @@ from __future__ import annotations
 import dataclasses
 
 from ..megatron.layer_specs import PACKED_DOCUMENT_ATTENTION
+from ..megatron.mtp_roll import layout_as_cut, set_layout_as_cut
 
 
 def as_document_layout(packed_seq_params):
     """``packed_seq_params`` in the document layout Bridge cut the batch in: unchanged when it
     is None, not THD, or already has padded boundaries; else a copy whose padded boundaries are
-    its real ones (``cu_seqlens_q_padded = cu_seqlens_q``, the same for kv)."""
+    its real ones (``cu_seqlens_q_padded = cu_seqlens_q``, the same for kv), recorded on
+    ``packed_seq_params`` (``mtp_roll.set_layout_as_cut``) so that the MTP roll of the same
+    micro-batch takes it too."""
     if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
         return packed_seq_params
     if packed_seq_params.cu_seqlens_q_padded is not None or packed_seq_params.cu_seqlens_kv_padded is not None:
         return packed_seq_params
-    return dataclasses.replace(packed_seq_params, cu_seqlens_q_padded=packed_seq_params.cu_seqlens_q,
-                               cu_seqlens_kv_padded=packed_seq_params.cu_seqlens_kv)
+    as_cut = layout_as_cut(packed_seq_params)
+    if as_cut is packed_seq_params:  # the first layer of this micro-batch: made once, kept on Bridge's params
+        as_cut = dataclasses.replace(packed_seq_params, cu_seqlens_q_padded=packed_seq_params.cu_seqlens_q,
+                                     cu_seqlens_kv_padded=packed_seq_params.cu_seqlens_kv)
+        set_layout_as_cut(packed_seq_params, as_cut)
+    return as_cut
 
 
 class BridgeDocumentLayout:

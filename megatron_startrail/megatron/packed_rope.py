@@ -76,6 +76,14 @@ def document_layout_positions(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_
     -> positions [0, 3, 0, 1, 6, 7]. Inconsistent input gives positions outside
     ``[0, span)``; the core attention's agreement check then raises on every rank.
     """
+    return document_layout_rows(cu_seqlens_padded, cp_size, cp_rank, local_tokens)[1]
+
+
+def document_layout_rows(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int,
+                         local_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(document, position)``, int64 ``[local_tokens]`` each: the document of every row CP
+    rank ``cp_rank`` holds in the document layout and its position in it
+    (:func:`document_layout_positions`)."""
     padded = cu_seqlens_padded.to(torch.int64)
     local_start = padded // cp_size  # where every document's rows start on each rank: [n_docs + 1]
     row = torch.arange(local_tokens, device=padded.device)
@@ -84,7 +92,8 @@ def document_layout_positions(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_
     offset = row - local_start[document]  # row within this rank's part of its document
     chunk = (padded[document + 1] - padded[document]) // (2 * cp_size)
     # front chunk: cp_rank * chunk + offset; back chunk: (2CP-1-cp_rank) * chunk + (offset - chunk)
-    return torch.where(offset < chunk, cp_rank * chunk + offset, (2 * cp_size - 2 - cp_rank) * chunk + offset)
+    position = torch.where(offset < chunk, cp_rank * chunk + offset, (2 * cp_size - 2 - cp_rank) * chunk + offset)
+    return document, position
 
 
 def packed_sample_tokens(hidden_states: torch.Tensor, config, cp_size: int) -> int:

@@ -140,3 +140,21 @@ def thd_get_partitioned_indices(cu_seqlens: torch.Tensor, total_tokens: int, wor
         for piece in (rank, 2 * world_size - 1 - rank):
             rows.append(torch.arange(start + piece * chunk, start + (piece + 1) * chunk))
     return torch.cat(rows)
+
+
+def mtp_block_spec(config, vp_stage=None):
+    """Stand-in for Bridge's ``gpt_provider.mtp_block_spec``, which always builds the MTP layers'
+    own modules (norms, ``eh_proj``) with Transformer Engine (``use_transformer_engine=True``):
+    the same block spec from the same decoder layer spec, with megatron-core's local modules.
+    The MTP layer's transformer layer is the provider's ``transformer_layer_spec``, as in Bridge."""
+    import inspect  # noqa: PLC0415
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec  # noqa: PLC0415
+
+    if not getattr(config, "mtp_num_layers", None):
+        return None
+    spec = config.transformer_layer_spec
+    if callable(spec) and not hasattr(spec, "submodules") and not hasattr(spec, "layer_specs"):  # a function
+        takes_stage = "vp_stage" in inspect.signature(spec).parameters
+        spec = spec(config, vp_stage=vp_stage) if takes_stage else spec(config)
+    return get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False, vp_stage=vp_stage)

@@ -12,6 +12,8 @@ logs the lm and MTP losses of the same command at CP 1 and has its first-step gr
 import math
 import re
 
+import pytest
+
 from tests.megatron.example import run_example_rank  # first: the CPU import shims before megatron-core
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -70,10 +72,11 @@ def mtp_worker(rank, world_size, argv):
     return losses, (recorded.get("grads"), recorded.get("mtp_attention")) if rank == 0 else None
 
 
-def mtp_run(world_size, *flags):
-    logged = run_ranks(mtp_worker, world_size, args=([*COMMON, "--mtp-num-layers", "1", *flags],), timeout=300)
+def mtp_run(world_size, *flags, iters=4):
+    argv = [*COMMON, "--mtp-num-layers", "1", "--train-iters", str(iters), *([] if iters > 1 else ["--lr-warmup-iters", "0"]), *flags]
+    logged = run_ranks(mtp_worker, world_size, args=(argv,), timeout=300)
     losses = logged[-1][0]  # megatron.training logs on the last rank
-    assert [i for i, _, _ in losses] == [1, 2, 3, 4]
+    assert [i for i, _, _ in losses] == list(range(1, iters + 1))
     grads, attention = logged[0][1]
     return [(lm, mtp) for _, lm, mtp in losses], grads, attention
 
@@ -127,3 +130,35 @@ def test_the_mtp_roll_is_installed_by_the_groups_and_keeps_megatrons_for_cp1():
     x = torch.arange(1.0, 9.0).view(1, 8)
     rolled, count = mtp.roll_tensor(x, -1, -1, None, None)  # CP 1: Megatron's own
     assert rolled.tolist() == [[2, 3, 4, 5, 6, 7, 8, 0]] and count.item() == 35
+
+
+def short_documents(tmp_path):
+    """--data-path flags of make_indexed_dataset.short_documents: many documents of 1-120 tokens in each sample."""
+    from tests.megatron.example import pretrain_gpt  # noqa: PLC0415
+
+    prefix = str(tmp_path / "docs")
+    make = pretrain_gpt.make_indexed_dataset
+    make.write_indexed_dataset(make.short_documents(), prefix)
+    return ["--data-path", prefix, "--split", "100,0,0"]
+
+
+PER_TOKEN_EOD = ["--calculate-per-token-loss", "--eod-mask-loss"]
+
+
+@pytest.mark.parametrize("world_size, grid, ref_world_size, ref_grid", [
+    (2, ["--context-parallel-size", "2", "--context-parallel-algo", "startrail", "--startrail-team-size", "1"],
+     1, []),
+    (8, [*TP2_CP4_STARTRAIL, "--sequence-parallel"], 2, [*TP2_CP1, "--sequence-parallel"]),
+], ids=["cp2", "tp2-sp-cp4-c2"])
+def test_mtp_per_token_loss_with_eod_masks_gives_the_gradients_of_cp1(tmp_path, world_size, grid, ref_world_size,
+                                                                         ref_grid):
+    # --eod-mask-loss over short documents: the CP ranks hold different numbers of loss tokens, and Megatron's
+    # per-token MTP path scales each rank's loss by its own token count over the rolled count (mtp_loss.py).
+    # On 9ee7a82 (the CP group's mean rolled count only): 7.6e-3 at CP2, 1.1e-2 at TP2 x CP4 C2, all in the MTP
+    # parameters; with mtp_loss.py's count 6.9e-7 and 7.9e-7.
+    data = short_documents(tmp_path)
+    got, grads, _ = mtp_run(world_size, *grid, *data, *PER_TOKEN_EOD, iters=1)
+    want, ref_grads, _ = mtp_run(ref_world_size, *ref_grid, *data, *PER_TOKEN_EOD, iters=1)
+    (lm, mtp), (lm_ref, mtp_ref) = got[0], want[0]
+    assert abs(lm - lm_ref) <= 2e-6 * lm_ref and abs(mtp - mtp_ref) <= 2e-6 * mtp_ref, (got, want)
+    assert_first_step_grads_match(grads, ref_grads, f"example MTP per-token loss, EOD masks, {world_size} ranks")
