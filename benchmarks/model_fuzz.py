@@ -488,7 +488,26 @@ def table(rows: list[dict]) -> str:
         lines.append(f"| {r['name']} | {', '.join(r['features'])} | {r['startrail_ranks']} vs "
                      f"{r['reference_ranks']} | {r['status']} | {fmt(r.get('loss_error'))} | "
                      f"{fmt(r.get('grad_error'))} | {r.get('seconds', '')} | {note} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + closing_note(rows)) + "\n"
+
+
+def closing_note(rows: list[dict]) -> list[str]:
+    """The time per draw, and every refusal and skip counted by its reason (markdown lines)."""
+    timed = sorted(r["seconds"] for r in rows if r["status"] == "exact")
+    lines = ["", "## Closing note", ""]
+    if timed:
+        lines.append(f"Time per compared draw (both runs, wall clock, as measured on the machine of the run): mean "
+                     f"{sum(timed) / len(timed):.1f} s, median {timed[len(timed) // 2]:.1f} s, longest {timed[-1]:.1f} s.")
+    for status in ("refused", "skipped", "DIFFERS", "error"):
+        reasons: dict[str, list[str]] = {}
+        for r in rows:
+            if r["status"] == status:
+                reason = (r.get("reason") or r.get("worst") or "").replace("|", "/").replace("\n", " ")[:200]
+                reasons.setdefault(reason, []).append(r["name"].split(":")[-1])
+        if reasons:
+            lines += ["", f"{status}: {sum(map(len, reasons.values()))}", ""]
+            lines += [f"- {len(names)} x {reason} (draws {', '.join(names)})" for reason, names in reasons.items()]
+    return lines
 
 
 def main(argv=None) -> int:
