@@ -8,17 +8,22 @@ Each draw ends as one of:
     exact     every gradient and loss within tolerance
     DIFFERS   a silent wrong result: the one outcome that must never appear
     refused   StarTrail's (or the example's) start-up check refused the configuration with an
-              error naming a flag (a ``--`` in the message) before step 1
+              error naming a flag (a ``--`` in the message) before step 1; also when the same
+              check refuses it at CP = 1 (a setting Megatron itself cannot run:
+              ``--recompute-modules mlp`` with biases)
     skipped   the CP = 1 reference cannot run it (Megatron refuses it there, or it has no
               CP = 1 twin: MTP on packed documents without MLA)
     error     anything else (a crash after step 1, an unnamed refusal): a failure too
 
 The draw space (``draw``): TP 1/2, PP 1/2 with virtual stages, sequence parallel; MHA / GQA;
 RoPE, learned absolute, no position embedding, NoPE layers; recomputation full (uniform /
-block, 1..L layers) and selective (Megatron's module lists); MTP 1/2 layers, repeated or not;
-sliding windows (halo and schedule paths), sinks (off-by-one, learnable), packed documents
-(sample layout; the document layout, --sft, which the example refuses), MLA, MoE with EP2;
-QK-layernorm, SwiGLU, RMSNorm, untied embeddings, gradient accumulation; team sizes
+block, 1..L layers) and selective (Megatron's module lists: core_attn, layernorm, mlp,
+mla_up_proj, moe, moe_act), with sequence parallelism and MoE too; per-token loss
+(--calculate-per-token-loss), with --eod-mask-loss over short documents (uneven loss masks);
+MTP 1/2 layers, repeated or not; sliding windows (halo and schedule paths), sinks (off-by-one,
+learnable), packed documents (sample layout; the document layout, --sft, which the example
+refuses), MLA, MoE with EP2 at TP 1 and at TP 2 with sequence parallelism; QK-layernorm,
+SwiGLU, RMSNorm, untied embeddings, linear biases off, gradient accumulation; team sizes
 1/2/4/auto, Ulysses, both backward rotations, regathering, hybrid (dynamic) CP. Call
 protocols (``PROTOCOLS``): plain, evaluation passes, a forward-only pass of Megatron's schedule
 in train mode before every step, an abandoned forward before every step, save at iteration 2
@@ -92,13 +97,13 @@ def draw(seed: int, index: int, data_prefix: str) -> Draw:
     hybrid = rng.random() < 0.08
     mla = not hybrid and rng.random() < 0.2
     moe = not hybrid and rng.random() < 0.15
-    # (MoE at TP 1: with TP 2 Megatron asks for sequence parallelism, whose uneven token
-    # all-gather gloo cannot run)
-    tp = 1 if moe else _pick(rng, 1, 2)
+    tp = _pick(rng, 1, 2)
     dp = 2 if moe else 1  # (EP2 takes two data-parallel ranks in both runs)
     pp = 1 if hybrid or tp * dp * 2 * 2 > 8 else _pick(rng, 1, 1, 2)  # (room for CP >= 2 in 8 ranks)
     layers = 2
-    sequence_parallel = tp == 2 and rng.random() < 0.5
+    # (MoE at TP 2 needs sequence parallelism, Megatron says; its uneven token all-gather runs
+    # on gloo padded, cpu_patches)
+    sequence_parallel = tp == 2 and (moe or rng.random() < 0.5)
     if sequence_parallel:
         shared += ["--sequence-parallel"]
         features.append("SP")
@@ -137,26 +142,43 @@ def draw(seed: int, index: int, data_prefix: str) -> Draw:
     if accumulation > 1:
         features.append("grad accumulation 2")
 
-    # Recomputation.
-    # (not with sequence parallelism: on this machine megatron-core's recomputed SP gather, run
-    # on an autograd thread, misses the CPU patches' device mode and fails at CP = 1 too)
-    # (and not with MoE: its recomputed all-to-all fails the same way)
-    recompute = "none" if sequence_parallel or moe else _pick(rng, "none", "none", "full_uniform", "full_block",
-                                                               "selective")
+    # Recomputation, with sequence parallelism and MoE too (the recomputed SP gather and MoE
+    # all-to-all run under the CPU patches' device mode, cpu_patches).
+    recompute = _pick(rng, "none", "none", "full_uniform", "full_block", "selective")
+    chosen: list[str] = []
     if recompute.startswith("full"):
         n = rng.randint(1, layers // pp)
         shared += ["--recompute-granularity", "full", "--recompute-method", recompute[5:], "--recompute-num-layers",
                    str(n)]
         features.append(f"recompute {recompute} {n}")
     elif recompute == "selective":
-        # Megatron's lists, less what megatron-core 0.19.2 cannot run on this machine at CP = 1
-        # either: "layernorm" (its CheckpointWithoutOutput needs Transformer Engine), "mlp" (the
-        # recomputation recurses until memory runs out: a checkpoint returning the MLP's bias
-        # parameter), "moe_act" (needs --moe-grouped-gemm).
-        modules = ["core_attn"] + (["mla_up_proj"] if mla else []) + (["moe"] if moe else [])
-        chosen = sorted(rng.sample(modules, rng.randint(1, min(2, len(modules)))))
+        # Megatron's lists. "mlp" with the linear biases on is refused by name (Megatron's
+        # checkpoint returns the bias parameter and recurses: megatron/recompute_checks.py);
+        # "moe_act" needs --moe-grouped-gemm, whose check asks the GPU's compute capability
+        # (and the CPU's local spec has no grouped MLP): the CP = 1 reference cannot run it.
+        modules = ["core_attn", "layernorm", "mlp"] + (["mla_up_proj"] if mla else []) + (
+            ["moe", "moe_act"] if moe else [])
+        chosen = sorted(rng.sample(modules, rng.randint(1, min(3, len(modules)))))
         shared += ["--recompute-granularity", "selective", "--recompute-modules", *chosen]
         features.append(f"selective {'+'.join(chosen)}")
+        if "moe_act" in chosen:
+            shared.append("--moe-grouped-gemm")
+    if not moe and rng.random() < (0.5 if "mlp" in chosen else 0.15):
+        shared.append("--disable-bias-linear")
+        features.append("disable-bias-linear")
+
+    # Per-token loss (--calculate-per-token-loss): each CP rank's loss sums its tokens, Megatron
+    # divides by the global count. With --eod-mask-loss over short documents the ranks hold
+    # uneven numbers of loss tokens. (Not --eod-mask-loss alone: without per-token loss
+    # Megatron divides each CP rank's loss by its own count, which no CP size > 1 matches.)
+    per_token = not hybrid and rng.random() < 0.3
+    eod_mask = per_token and rng.random() < 0.7
+    if per_token:
+        shared.append("--calculate-per-token-loss")
+        features.append("per-token loss")
+    if eod_mask:
+        shared.append("--eod-mask-loss")
+        features.append("eod-mask-loss")
 
     # Attention variants.
     packed = hybrid or rng.random() < 0.25
@@ -188,8 +210,9 @@ def draw(seed: int, index: int, data_prefix: str) -> Draw:
     skip = None
     reference: list[str] = []
     startrail: list[str] = []
-    if packed:
+    if packed or eod_mask:  # (the short documents: EOD tokens all through every sample)
         shared += ["--data-path", data_prefix, "--split", "90,10,0"]  # (a validation split for evaluation)
+    if packed:
         if document_layout:
             startrail += ["--sft"]
             features.append("packed document layout")
@@ -410,6 +433,10 @@ def run_draw(d: Draw) -> dict:
             reference()
         except AssertionError as ref_error:  # Megatron refuses the configuration itself
             ref_refusal = _startup_refusal(ref_error)
+            if ref_refusal and ref_refusal == refusal and "--" in refusal:
+                # the package's own check, which refuses it at CP = 1 as well (a setting that
+                # cannot run in Megatron itself, refused before it hangs or fails)
+                return done(status="refused", reason=refusal)
             if ref_refusal:
                 return done(status="skipped", reason="Megatron refuses it at CP = 1 too: " + ref_refusal)
             return done(status="skipped", reason="the CP = 1 reference fails on this machine too: " +
@@ -461,7 +488,26 @@ def table(rows: list[dict]) -> str:
         lines.append(f"| {r['name']} | {', '.join(r['features'])} | {r['startrail_ranks']} vs "
                      f"{r['reference_ranks']} | {r['status']} | {fmt(r.get('loss_error'))} | "
                      f"{fmt(r.get('grad_error'))} | {r.get('seconds', '')} | {note} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + closing_note(rows)) + "\n"
+
+
+def closing_note(rows: list[dict]) -> list[str]:
+    """The time per draw, and every refusal and skip counted by its reason (markdown lines)."""
+    timed = sorted(r["seconds"] for r in rows if r["status"] == "exact")
+    lines = ["", "## Closing note", ""]
+    if timed:
+        lines.append(f"Time per compared draw (both runs, wall clock, as measured on the machine of the run): mean "
+                     f"{sum(timed) / len(timed):.1f} s, median {timed[len(timed) // 2]:.1f} s, longest {timed[-1]:.1f} s.")
+    for status in ("refused", "skipped", "DIFFERS", "error"):
+        reasons: dict[str, list[str]] = {}
+        for r in rows:
+            if r["status"] == status:
+                reason = (r.get("reason") or r.get("worst") or "").replace("|", "/").replace("\n", " ")[:200]
+                reasons.setdefault(reason, []).append(r["name"].split(":")[-1])
+        if reasons:
+            lines += ["", f"{status}: {sum(map(len, reasons.values()))}", ""]
+            lines += [f"- {len(names)} x {reason} (draws {', '.join(names)})" for reason, names in reasons.items()]
+    return lines
 
 
 def main(argv=None) -> int:

@@ -24,6 +24,7 @@ from ..kernels.selection import KERNELS
 from ..topology import team_size_for, valid_team_sizes
 from ..transfer import TRANSFERS
 from .attention_options import check_attention_options
+from .recompute_checks import check_recompute_modules
 
 ALGOS = ("megatron", "startrail", "tasp")
 AUTO = "auto"
@@ -138,6 +139,7 @@ def validate_startrail_args(args) -> None:
     Call after Megatron's ``validate_args``. Raises ValueError naming the flag to change.
     """
     cp, u, algo = args.context_parallel_size, args.ulysses_degree_in_cp, args.context_parallel_algo
+    check_recompute_modules(args)  # Megatron's own, any algorithm and CP size
     if algo == "megatron":
         if u != 1:
             raise ValueError("--ulysses-degree-in-cp applies to --context-parallel-algo startrail only; drop it")

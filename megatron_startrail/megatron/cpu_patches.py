@@ -160,6 +160,38 @@ class _NoEvent(_NoStream):
         return 0.0
 
 
+def _keep_mode_in_nested_backward(mode: CudaToCpuMode) -> None:
+    """Run every backward pass that a call handled by ``mode`` starts under ``mode``.
+
+    A ``TorchFunctionMode`` is thread-local, and while its ``__torch_function__`` runs, torch
+    pops it off the stack (so that the ``func`` it calls does not come back to it). That is
+    harmless for an op, but ``torch.autograd.backward`` / ``grad`` are overridable too: the
+    backward that Megatron's recomputation (``CheckpointFunction.backward``) starts from inside
+    the outer backward reaches the mode, which calls it with itself popped. The autograd engine
+    captures the thread's state, mode stack included, when it builds the nested graph task, so
+    every node of the recomputed backward (the SP all-gather's ``torch.empty(...,
+    device=torch.cuda.current_device())``, the MoE all-to-all's buffers) ran without the mode:
+    "Cannot access accelerator device". (It is the same thread, not an autograd worker.)
+
+    ``_engine_run_backward`` is the one Python function below both entry points and above the
+    C++ engine; it makes no torch-function check of its own. Patched at module level (not
+    thread-local state), it pushes the mode back when it is missing, so the graph task
+    captures it, on whichever thread the engine runs a node. torch patches the same two names
+    for make_fx (``torch.compiler``)."""
+    from torch.autograd import graph  # noqa: PLC0415
+
+    original = graph._engine_run_backward
+
+    @functools.wraps(original)
+    def _engine_run_backward(*args, **kwargs):
+        if mode in torch.overrides._get_current_function_mode_stack():
+            return original(*args, **kwargs)
+        with mode:
+            return original(*args, **kwargs)
+
+    graph._engine_run_backward = torch.autograd._engine_run_backward = _engine_run_backward
+
+
 def _patch_rng_tracker() -> None:
     from megatron.core.tensor_parallel import random as mrandom  # noqa: PLC0415
 
@@ -188,6 +220,25 @@ def _patch_rng_tracker() -> None:
     mrandom.CudaRNGStatesTracker.fork = fork
     mrandom._set_cuda_rng_state = lambda new_state, *a, **k: None
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+
+
+def _patch_checkpoint_without_output() -> None:
+    """``CheckpointWithoutOutput`` (``--recompute-modules layernorm`` / ``moe_act``) sets
+    ``self.fp8 = fp8 is not None``: true for its default ``fp8=False``, so it always asks
+    Transformer Engine's ``FP8GlobalStateManager`` whether FP8 is on, a name that is undefined
+    without TE (``NameError``). With TE and FP8 off it then takes the plain path; without TE
+    FP8 cannot be on, so on the CPU the plain path is taken directly."""
+    from megatron.core.tensor_parallel import random as mrandom  # noqa: PLC0415
+
+    if mrandom.HAVE_TE:
+        return
+    init = mrandom.CheckpointWithoutOutput.__init__
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.fp8 = False
+
+    mrandom.CheckpointWithoutOutput.__init__ = __init__
 
 
 def _patch_grad_clipping() -> None:
@@ -255,6 +306,43 @@ def _patch_moe_split_sizes() -> None:
     token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
 
+def _patch_uneven_sequence_parallel_collectives() -> None:
+    """MoE with tensor parallelism and ``--sequence-parallel`` gathers and reduce-scatters the
+    routed tokens over the TP group with per-rank split sizes (``mappings._gather_along_first_dim``
+    / ``_reduce_scatter_along_first_dim`` with ``output_split_sizes`` / ``input_split_sizes``):
+    ``all_gather`` / ``reduce_scatter`` of a list of unequal tensors, which NCCL runs and gloo
+    refuses ("ProcessGroupGloo::allgather: invalid tensor size"). On the CPU each rank's share is
+    padded to the largest, moved with the even collective, and cut back: the same sums, entry for
+    entry. Calls with equal splits (or none) go to Megatron's functions unchanged."""
+    from megatron.core.tensor_parallel import mappings  # noqa: PLC0415
+
+    gather, reduce_scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+
+    def _padded(parts: list, rows: int) -> torch.Tensor:
+        """[len(parts) * rows, ...]: each part [n_i, ...] followed by rows - n_i zero rows."""
+        return torch.cat([torch.nn.functional.pad(p, (0, 0) * (p.dim() - 1) + (0, rows - p.shape[0])) for p in parts])
+
+    def _gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or len(set(output_split_sizes)) == 1 or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        rows = max(output_split_sizes)
+        out = torch.empty((group.size() * rows, *input_.shape[1:]), dtype=input_.dtype, device=input_.device)
+        torch.distributed.all_gather_into_tensor(out, _padded([input_.contiguous()], rows), group=group)
+        return torch.cat([out[i * rows:i * rows + n] for i, n in enumerate(output_split_sizes)])
+
+    def _reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or len(set(input_split_sizes)) == 1 or group.size() == 1:
+            return reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        rows = max(input_split_sizes)
+        out = torch.empty((rows, *input_.shape[1:]), dtype=input_.dtype, device=input_.device)
+        torch.distributed.reduce_scatter_tensor(out, _padded(list(torch.split(input_, input_split_sizes)), rows),
+                                                group=group)
+        return out[:input_split_sizes[group.rank()]]
+
+    mappings._gather_along_first_dim = _gather_along_first_dim
+    mappings._reduce_scatter_along_first_dim = _reduce_scatter_along_first_dim
+
+
 def _patch_hybrid_final_norm() -> None:
     """``HybridStack`` (``HybridModel``'s decoder) builds its final norm as Transformer Engine's
     ``TENorm`` whatever its spec says; without TE that raises. On the CPU it is the local spec's
@@ -304,8 +392,10 @@ def apply(cuda_tensors_to_cpu: bool = True) -> None:
     install_import_shims()
     _patch_rng_tracker()
     _patch_grad_clipping()
+    _patch_checkpoint_without_output()
     _patch_norm_for_sequence_parallel()
     _patch_moe_split_sizes()
+    _patch_uneven_sequence_parallel_collectives()
     _patch_hybrid_final_norm()
     torch.cuda.current_device = lambda: 0
     torch.cuda.synchronize = lambda *a, **k: None
@@ -326,6 +416,7 @@ def apply(cuda_tensors_to_cpu: bool = True) -> None:
     if cuda_tensors_to_cpu:
         mode = CudaToCpuMode()
         mode.__enter__()  # for the life of the process
+        _keep_mode_in_nested_backward(mode)
         _state["mode"] = mode
     _state["applied"] = True
 

@@ -109,6 +109,75 @@ def test_sequence_parallel_norm_and_moe_split_sizes_on_the_cpu():
     assert splits_type == "ndarray" and splits == [3, 5]
 
 
+def nested_backward_worker(rank, world_size):
+    """A backward that a Function's backward starts (as Megatron's recomputation does), whose
+    nodes allocate on "cuda" (as the recomputed SP gather and MoE all-to-all do)."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    cpu_patches.apply()
+
+    class AllocatesOnCuda(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 3
+
+        @staticmethod
+        def backward(ctx, grad):
+            buffer = torch.empty(grad.shape, dtype=grad.dtype, device=torch.cuda.current_device())
+            return buffer.copy_(grad) * 3
+
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    out = mrandom.checkpoint(lambda t: AllocatesOnCuda.apply(t * 2), False, x)  # reentrant: a nested backward
+    (out * x.detach()).sum().backward()
+    y = torch.randn(3, requires_grad=True)
+    torch.autograd.grad(AllocatesOnCuda.apply(y).sum(), y)  # torch.autograd.grad starts one too
+    return x.detach(), x.grad
+
+
+def test_the_cuda_mode_holds_in_a_backward_started_inside_a_backward():
+    # Before: "Cannot access accelerator device" (the mode was popped while it ran
+    # torch.autograd.backward for Megatron's CheckpointFunction).
+    ((x, grad),) = run_ranks(nested_backward_worker, 1, timeout=60)
+    assert torch.allclose(grad.double(), 6 * x.double(), rtol=1e-6)
+
+
+def uneven_collectives_worker(rank, world_size, sizes):
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+
+    cpu_patches.apply()
+    group = dist.new_group(list(range(world_size)))
+    shares = [torch.randn(n, 2, 3, generator=torch.Generator().manual_seed(10 + r)) for r, n in enumerate(sizes)]
+    full = [torch.randn(sum(sizes), 2, 3, generator=torch.Generator().manual_seed(20 + r)) for r in range(world_size)]
+    gathered = mappings._gather_along_first_dim(shares[rank], group, sizes)
+    scattered = mappings._reduce_scatter_along_first_dim(full[rank], group, sizes)
+    # the gathered grad flows back as the reduce-scatter of the same splits (Megatron's autograd pair)
+    x = shares[rank].clone().requires_grad_(True)
+    y = mappings.gather_from_sequence_parallel_region(x, group=group, output_split_sizes=sizes)
+    (y * full[0]).sum().backward()
+    return gathered, scattered, x.grad
+
+
+@pytest.mark.parametrize("sizes", [[3, 5], [6, 0, 2]])
+def test_uneven_sequence_parallel_gather_and_reduce_scatter_on_gloo(sizes):
+    """MoE with TP and --sequence-parallel gathers and reduce-scatters the routed tokens with
+    uneven split sizes, which gloo refuses: padded on the CPU, equal to the float64 sums."""
+    world = len(sizes)
+    results = run_ranks(uneven_collectives_worker, world, args=(sizes,), timeout=60)
+    shares = [torch.randn(n, 2, 3, generator=torch.Generator().manual_seed(10 + r)).double()
+              for r, n in enumerate(sizes)]
+    full = [torch.randn(sum(sizes), 2, 3, generator=torch.Generator().manual_seed(20 + r)).double()
+            for r in range(world)]
+    total = sum(full)
+    starts = [sum(sizes[:r]) for r in range(world)]
+    for rank, (gathered, scattered, grad) in enumerate(results):
+        assert gathered.shape == (sum(sizes), 2, 3) and torch.equal(gathered.double(), torch.cat(shares))
+        want = total[starts[rank]:starts[rank] + sizes[rank]]
+        assert scattered.shape == want.shape and torch.allclose(scattered.double(), want, rtol=1e-6, atol=1e-6)
+        want_grad = (world * full[0])[starts[rank]:starts[rank] + sizes[rank]]
+        assert torch.allclose(grad.double(), want_grad, rtol=1e-6, atol=1e-6)
+
+
 def test_a_triton_stand_in_imports_any_name_and_raises_when_it_is_used():
     stub = cpu_patches.TritonStandIn("megatron.core.ssm.ops.mamba2.batch_invariant_decode")
     decoder_class, kernel = stub.MambaBatchInvariantDecode, stub.causal_conv1d_varlen_fn
