@@ -406,13 +406,14 @@ def _table(rows, before) -> list[str]:
     prior = {r["case"]: r for r in before or []}
     dense = {(r["world"], r["team"]): r["launch"] for r in rows if r["case"].endswith("dense causal")}
     ring = {r["world"]: r["launch"] for r in rows if r["team"] == 0}
-    head = "| case | launch | kernel calls | comm | all ops | vs dense (same P, C) | vs yardstick (same P) |"
+    head = ("| case | launch | kernel calls | comm | all ops | non-kernel GB | vs dense (same P, C) "
+            "| vs yardstick (same P) |")
     if before:
         head += " launch before | kernel calls before |"
     out = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         d = dense.get((r["world"], r["team"]))
-        cells = [r["case"], r["launch"], r["kernel"], r["comm"], r["all"],
+        cells = [r["case"], r["launch"], r["kernel"], r["comm"], r["all"], f"{r['bytes'] / 1e9:.2f}",
                  f"{r['launch'] / d:.2f}x" if d and r["team"] else "-",
                  f"{r['launch'] / ring[r['world']]:.2f}x" if r["world"] in ring else "-"]
         if before:
@@ -435,7 +436,7 @@ def main() -> None:
             continue
         c = count(case)
         rows.append({"case": case.name, **dataclasses.asdict(case), "launch": c.launch, "kernel": c.kernel,
-                     "comm": c.comm, "all": c.all, "top_ops": dict(c.by_op.most_common(8))})
+                     "comm": c.comm, "all": c.all, "bytes": c.bytes, "top_ops": dict(c.by_op.most_common(8))})
         print(f"{case.name}: launch {c.launch}, kernel {c.kernel}, comm {c.comm}, all {c.all}", flush=True)
     before = None
     if args.before:
