@@ -423,13 +423,26 @@ def _table(rows, before) -> list[str]:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def table_args(doc: str) -> argparse.Namespace:
+    """The command line of this script and of layer_traffic.py (the same flags)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=131072)
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--before", help="rows of an earlier run (its --json) to show beside these")
     parser.add_argument("--only", help="run the cases whose name contains this")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def read_rows(path: str | None) -> list[dict] | None:
+    """The rows an earlier run wrote with --json (None: no path)."""
+    if not path:
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def main() -> None:
+    args = table_args(__doc__)
     rows = []
     for case in production_cases(args.tokens):
         if args.only and args.only not in case.name:
@@ -438,10 +451,7 @@ def main() -> None:
         rows.append({"case": case.name, **dataclasses.asdict(case), "launch": c.launch, "kernel": c.kernel,
                      "comm": c.comm, "all": c.all, "bytes": c.bytes, "top_ops": dict(c.by_op.most_common(8))})
         print(f"{case.name}: launch {c.launch}, kernel {c.kernel}, comm {c.comm}, all {c.all}", flush=True)
-    before = None
-    if args.before:
-        with open(args.before, encoding="utf-8") as f:
-            before = json.load(f)
+    before = read_rows(args.before)
     print(f"\nOne rank, one layer's forward + backward, {args.tokens} tokens, bf16, 8 heads x 128 "
           "(meta tensors, torch's fake process group; the block kernel counts one op a call):\n")
     print("\n".join(_table(rows, before)))

@@ -21,10 +21,9 @@ each launch adds its own few microseconds).
 
 from __future__ import annotations
 
-import argparse
 import json
 
-from benchmarks.launch_budget import Case, count
+from benchmarks.launch_budget import Case, count, read_rows, table_args
 
 HBM_BYTES_PER_S = 3.35e12  # H100 SXM5 80GB HBM3, NVIDIA's data sheet
 SHAPES = {"MHA 16x128": (16, 16), "GQA 32/8x128": (32, 8)}  # the H100 run's two head layouts
@@ -77,17 +76,9 @@ def table(rows: list[dict], before: list[dict] | None) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=int, default=131072)
-    parser.add_argument("--json", help="write the rows here")
-    parser.add_argument("--before", help="rows of an earlier run (its --json) to show beside these")
-    parser.add_argument("--only", help="run the cases whose name contains this")
-    args = parser.parse_args()
+    args = table_args(__doc__)
     rows = [row(name, case) for name, case in cases(args.tokens) if not args.only or args.only in name]
-    before = None
-    if args.before:
-        with open(args.before, encoding="utf-8") as f:
-            before = json.load(f)
+    before = read_rows(args.before)
     print("\n".join(table(rows, before)))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

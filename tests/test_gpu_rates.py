@@ -12,7 +12,8 @@ from megatron_startrail.planning.gpu_rates import (H100_BLOCK_LOOP, H100_CALL_TF
                                                    H100_FUSED_TFLOPS)
 from megatron_startrail.planning.planner import Workload
 
-RUN = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "results", "gpu", "h100-2026-11-27")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUN = os.path.join(ROOT, "benchmarks", "results", "gpu", "h100-2026-11-27")
 
 
 def _read(name):
@@ -35,7 +36,9 @@ def test_rates_are_the_committed_measurements():
         points = dict(H100_BLOCK_LOOP[kernel].points)
         assert points[16384] == pytest.approx(fused_ms / 8 / ms[f"{tag} P8 C2"], abs=1e-3)
         assert points[8192] == pytest.approx(fused_ms / 16 / ms[f"{tag} P16 C4"], abs=1e-3)
-    timing = _read("timing_rank_transport.md")
+    with open(os.path.join(ROOT, "benchmarks/results/gpu/h100-2026-11-27/timing_rank_transport.md"),
+              encoding="utf-8") as f:
+        timing = f.read()
     row = {m[0]: float(m[1]) for m in re.findall(r"\| (torch_cuda_\w+) \| bf16 \| 128, 128 \| causal \| \S+ \| ([\d.]+) \|",
                                                  timing)}
     assert set(row) == {"torch_cuda_flash", "torch_cuda_cudnn"}, row
