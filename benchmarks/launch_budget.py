@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from megatron_startrail import attention as attention_module
 from megatron_startrail import kernels as kernel_module
 from megatron_startrail import nccl_rules
 from megatron_startrail import new_startrail_groups, startrail_attn
@@ -44,6 +45,13 @@ _NO_LAUNCH = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_st
               "_local_scalar_dense", "set_", "resize_", "record_stream", "wait_tensor"}
 
 
+# The fused attention ops the CUDA adapters call: with ``--kernel torch_cuda_*`` each is one
+# kernel launch, and every other op inside the adapter counts as the adapter's own.
+_ATTENTION_OPS = {"_flash_attention_forward", "_flash_attention_backward", "_scaled_dot_product_cudnn_attention",
+                  "_scaled_dot_product_cudnn_attention_backward", "_scaled_dot_product_efficient_attention",
+                  "_scaled_dot_product_efficient_attention_backward"}
+
+
 @dataclasses.dataclass
 class Counts:
     launch: int = 0
@@ -51,6 +59,28 @@ class Counts:
     comm: int = 0
     all: int = 0
     by_op: Counter = dataclasses.field(default_factory=Counter)
+    # Bytes the non-kernel, non-communication ops read + write (every tensor argument and
+    # result of a launching op, at its view's size): the schedule's (merges, copies, casts,
+    # gathers) and, with a CUDA adapter, the adapter's own (pads, transposes, contiguous
+    # copies, GQA expansion) apart.
+    bytes: int = 0
+    adapter_launch: int = 0
+    adapter_bytes: int = 0
+    kernel_bytes: int = 0  # the attention calls' operands and results, for scale
+    by_op_bytes: Counter = dataclasses.field(default_factory=Counter)
+    in_adapter: bool = False
+
+
+def _tensor_bytes(tree) -> int:
+    """Bytes of every tensor in ``tree`` (nested lists / tuples / dicts), each at its view's size."""
+    leaves = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, (list, tuple)) else [tree]
+    total = 0
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            total += leaf.numel() * leaf.element_size()
+        elif isinstance(leaf, (list, tuple, dict)):
+            total += _tensor_bytes(leaf)
+    return total
 
 
 class _OpCounter(TorchDispatchMode):
@@ -61,14 +91,28 @@ class _OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         namespace = func.namespace
-        self.counts.all += 1
+        counts = self.counts
+        counts.all += 1
+        result = func(*args, **(kwargs or {}))
         if namespace == "c10d":
-            self.counts.comm += 1
-            self.counts.launch += 1
+            counts.comm += 1
+            counts.launch += 1
+        elif name in _ATTENTION_OPS:
+            counts.kernel += 1
+            counts.launch += 1
+            counts.kernel_bytes += _tensor_bytes(args) + _tensor_bytes(result)
         elif not func.is_view and name not in _NO_LAUNCH:
-            self.counts.launch += 1
-            self.counts.by_op[f"{namespace}.{name}"] += 1
-        return func(*args, **(kwargs or {}))
+            moved = _tensor_bytes(args) + _tensor_bytes(kwargs or {}) + _tensor_bytes(result)
+            counts.launch += 1
+            counts.by_op[f"{namespace}.{name}"] += 1
+            if counts.in_adapter:
+                counts.adapter_launch += 1
+                counts.adapter_bytes += moved
+                counts.by_op_bytes[f"adapter {namespace}.{name}"] += moved
+            else:
+                counts.bytes += moved
+                counts.by_op_bytes[f"{namespace}.{name}"] += moved
+        return result
 
 
 @contextlib.contextmanager
@@ -85,7 +129,9 @@ def kernel_calls_count_once(counts: Counts, kernel_classes):
                 counts.launch += 1
                 counts.all += 1
                 with _disable_current_modes():
-                    return _original(self, *args, **kwargs)
+                    result = _original(self, *args, **kwargs)
+                counts.kernel_bytes += _tensor_bytes(args) + _tensor_bytes(result)
+                return result
 
             setattr(cls, method, wrapped)
     try:
@@ -133,6 +179,7 @@ class Case:
     regather: bool = False
     halo: bool = True  # False: a window that fits a chunk runs the schedule anyway
     rank: int = 1
+    kernel: str = "reference"  # or a CUDA adapter (torch_cuda_flash, torch_cuda_cudnn): its own ops apart
 
 
 def lognormal_documents(tokens: int, n_docs: int, cp: int, padded: bool, seed: int = 0):
@@ -185,15 +232,50 @@ def count_startrail(case: Case) -> Counts:
             # the layers: made here on CPU so that the meta layer finds it cached.
             agree_on_documents(cu, cu_p, q.shape[0], 1, groups, CommStats(), torch.device("cpu"))
             extra = {"cu_seqlens": cu, "cu_seqlens_padded": cu_p}
-        with kernel_calls_count_once(counts, _kernel_classes()), _OpCounter(counts):
+        with _kernel_counting(counts, case.kernel), _OpCounter(counts):
             out = startrail_attn(q, k, v, groups, causal=case.causal, window_size=case.window,
                                  halo_exchange=case.halo, **extra)
             torch.autograd.grad(out, (q, k, v), dout)
     return counts
 
 
-def _kernel_classes():
-    return [kernel_module.ReferenceKernel]
+@contextlib.contextmanager
+def _kernel_counting(counts: Counts, name: str):
+    """The reference kernel: one op a call (its math unseen). A CUDA adapter (on meta: the
+    fused ops' meta kernels give the shapes): the layer runs it, its fused op is the
+    kernel launch and every other op inside it is counted as the adapter's own."""
+    if name == "reference":
+        with kernel_calls_count_once(counts, [kernel_module.ReferenceKernel]):
+            yield
+        return
+    kernel = kernel_module.make_kernel(name)
+    cls = type(kernel)
+    saved = {m: cls.__dict__.get(m) for m in ("forward", "backward")}
+
+    def inside(method):
+        original = getattr(cls, method)
+
+        def wrapped(self, *args, **kwargs):
+            counts.in_adapter = True
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                counts.in_adapter = False
+        return wrapped
+
+    for method in saved:
+        setattr(cls, method, inside(method))
+    attention_kernel_for = attention_module.kernel_for
+    attention_module.kernel_for = lambda *args, **kwargs: kernel
+    try:
+        yield
+    finally:
+        attention_module.kernel_for = attention_kernel_for
+        for method, original in saved.items():
+            if original is None:
+                delattr(cls, method)
+            else:
+                setattr(cls, method, original)
 
 
 # -- the yardstick: a minimal zigzag ring, ring-flash-attention's structure ---------------------
@@ -324,13 +406,14 @@ def _table(rows, before) -> list[str]:
     prior = {r["case"]: r for r in before or []}
     dense = {(r["world"], r["team"]): r["launch"] for r in rows if r["case"].endswith("dense causal")}
     ring = {r["world"]: r["launch"] for r in rows if r["team"] == 0}
-    head = "| case | launch | kernel calls | comm | all ops | vs dense (same P, C) | vs yardstick (same P) |"
+    head = ("| case | launch | kernel calls | comm | all ops | non-kernel GB | vs dense (same P, C) "
+            "| vs yardstick (same P) |")
     if before:
         head += " launch before | kernel calls before |"
     out = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         d = dense.get((r["world"], r["team"]))
-        cells = [r["case"], r["launch"], r["kernel"], r["comm"], r["all"],
+        cells = [r["case"], r["launch"], r["kernel"], r["comm"], r["all"], f"{r['bytes'] / 1e9:.2f}",
                  f"{r['launch'] / d:.2f}x" if d and r["team"] else "-",
                  f"{r['launch'] / ring[r['world']]:.2f}x" if r["world"] in ring else "-"]
         if before:
@@ -340,25 +423,35 @@ def _table(rows, before) -> list[str]:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def table_args(doc: str) -> argparse.Namespace:
+    """The command line of this script and of layer_traffic.py (the same flags)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=131072)
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--before", help="rows of an earlier run (its --json) to show beside these")
     parser.add_argument("--only", help="run the cases whose name contains this")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def read_rows(path: str | None) -> list[dict] | None:
+    """The rows an earlier run wrote with --json (None: no path)."""
+    if not path:
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def main() -> None:
+    args = table_args(__doc__)
     rows = []
     for case in production_cases(args.tokens):
         if args.only and args.only not in case.name:
             continue
         c = count(case)
         rows.append({"case": case.name, **dataclasses.asdict(case), "launch": c.launch, "kernel": c.kernel,
-                     "comm": c.comm, "all": c.all, "top_ops": dict(c.by_op.most_common(8))})
+                     "comm": c.comm, "all": c.all, "bytes": c.bytes, "top_ops": dict(c.by_op.most_common(8))})
         print(f"{case.name}: launch {c.launch}, kernel {c.kernel}, comm {c.comm}, all {c.all}", flush=True)
-    before = None
-    if args.before:
-        with open(args.before, encoding="utf-8") as f:
-            before = json.load(f)
+    before = read_rows(args.before)
     print(f"\nOne rank, one layer's forward + backward, {args.tokens} tokens, bf16, 8 heads x 128 "
           "(meta tensors, torch's fake process group; the block kernel counts one op a call):\n")
     print("\n".join(_table(rows, before)))

@@ -2,11 +2,15 @@
 StarTrail-2 and StarTrail-4 it predicts fastest, per cluster and workload.
 
     python benchmarks/paper_clusters.py            # prints the Markdown tables
+    python benchmarks/paper_clusters.py --h100     # 2-16 H100 nodes, 128K-1M tokens
 
-Nothing here is measured (we have none of these clusters); every input is a public
-figure or a stated assumption, and the clusters are the package's presets
-(megatron_startrail/planning/cluster.py, which gives the line rates, efficiencies, overlap and
-kernel rates). The second table shows the winner for overlap 1.0 / 0.7 / 0.5 and
+Nothing here is measured on these clusters (we have none of them); the links are public
+figures with stated efficiencies, and the clusters are the package's presets
+(megatron_startrail/planning/cluster.py). The compute is measured on one H100
+(megatron_startrail/planning/gpu_rates.py): the H100 presets price a rank's attention at the
+fused cuDNN call's 559 TFLOP/s times the cuDNN block loop's efficiency at the rank's tokens
+(0.60 at 8K, 0.83 at 16K); the A100 presets at an assumed 170 TFLOP/s FA2 times FA2's
+block-loop efficiency against its own fused call, measured on the H100 (0.91, 0.97). The second table shows the winner for overlap 1.0 / 0.7 / 0.5 and
 Ethernet at 100 % / 50 % of line rate, the two assumptions it depends on most.
 
 Every run uses 32 GPUs (Figure 7), context parallel size 32, batch 1, bf16, causal for
@@ -63,7 +67,39 @@ def winner(best: int) -> str:
     return "ring" if best == 1 else f"StarTrail-{best}"
 
 
+H100_NODES = (2, 4, 8, 16)
+H100_TOKENS = (131072, 262144, 524288, 1048576)
+H100_LINKS = {"1x400Gbps IB": "h100-nvlink-1x400ib", "8x400Gbps IB": "h100-nvlink-8x400ib"}
+
+
+def h100_rows():
+    """GPT-3B/7B attention (32 x 128, causal) on 2-16 H100 nodes, every GPU one CP rank."""
+    for lname, name in H100_LINKS.items():
+        for nodes in H100_NODES:
+            cluster = preset(name, nodes)
+            cp = nodes * cluster.gpus_per_node
+            for tokens in H100_TOKENS:
+                work = Workload(tokens, heads=32, kv_heads=32, head_dim=128, causal=True)
+                preds = {team: predict(cluster, work, cp, team) for team in TEAMS}
+                best = min(preds, key=lambda t: preds[t].time_s)
+                yield lname, nodes, cp, tokens, cluster, preds, best
+
+
+def h100_table() -> None:
+    print("| links | nodes (GPUs) | tokens | tokens/rank | block-loop efficiency | ring ms | StarTrail-2 ms | "
+          "StarTrail-4 ms | predicted winner | attention speed-up over ring |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for lname, nodes, cp, tokens, cluster, preds, best in h100_rows():
+        t = {k: v.time_s * 1e3 for k, v in preds.items()}
+        eff = cluster.block_loop.at(tokens / cp)
+        print(f"| {lname} | {nodes} ({cp}) | {tokens // 1024}K | {tokens // cp} | {eff:.2f} | {t[1]:.1f} | "
+              f"{t[2]:.1f} | {t[4]:.1f} | {winner(best)} | {t[1] / t[best]:.2f}x |")
+
+
 def main() -> None:
+    if "--h100" in sys.argv:
+        h100_table()
+        return
     print("| cluster (32 GPUs) | workload | ring ms | StarTrail-2 ms | StarTrail-4 ms | predicted winner | "
           "attention speed-up over ring | layer speed-up over ring |")
     print("|---|---|---|---|---|---|---|---|")

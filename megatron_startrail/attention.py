@@ -65,7 +65,8 @@ def _sub_ring_forward(comm, groups, docs, kernel, transfer, q_team, kv_init: Pie
     partial ``acc_out [b, h, C*n, dv]``, ``acc_lse [b, h, C*n]``."""
     topo, pos = groups.topology, groups.startrail_rank
     rows = q_team.shape[0]
-    acc_out, acc_lse = blocks.new_partials(q_team, kv_init.tensor.shape[-1] - q_team.shape[-1])
+    fresh = blocks.FreshRows(rows)  # Note [fresh rows] in blocks.py
+    acc_out, acc_lse = blocks.new_partials(q_team, kv_init.tensor.shape[-1] - q_team.shape[-1], fresh)
     q_segments = team_segments(groups, docs, topo.team_of(pos))
     kv_rot = LaneSplit(
         sub_ring_lanes(topo, pos, transfer), rows,
@@ -76,10 +77,12 @@ def _sub_ring_forward(comm, groups, docs, kernel, transfer, q_team, kv_init: Pie
         for lane_index, (lane, (kv,), kv_rows) in enumerate(zip(kv_rot.lanes, payloads, part_rows)):
             k_segments = kv_rot.part_segments(lane.origin(pos, step), lane_index, kv_rows)
             blocks.forward_step(kernel, q_team, kv, q_segments, k_segments, acc_out, acc_lse,
-                                causal=causal, scale=scale, window=window, max_rows=rows // groups.team_size)
+                                causal=causal, scale=scale, window=window, max_rows=rows // groups.team_size,
+                                fresh=fresh)
 
     rotate(comm, kv_rot.lanes, pos, kv_rot.split([kv_init.tensor]), attend, op="sub_ring",
            pieces=kv_rot.pieces(kv_init))
+    blocks.fill_unseen(acc_out, acc_lse, fresh)
     return acc_out, acc_lse
 
 
@@ -96,8 +99,10 @@ def _team_merge(comm, groups, partials: list[torch.Tensor], dtype, sink=None):
     if c == 1:
         out, lse = acc_out, acc_lse
     else:
-        # [b, h, C*n, dv] -> [C (destination member), b, h, n, dv]
-        parts = acc_out.view(b, h, c, n, dv).permute(2, 0, 1, 3, 4).to(dtype)
+        # [b, h, C*n, dv] -> [C (destination member), b, h, n, dv], cast and made dense in one
+        # copy (the exchange takes it as it is: no second, contiguous copy of the cast).
+        parts = acc_out.new_empty((c, b, h, n, dv), dtype=dtype)
+        parts.copy_(acc_out.view(b, h, c, n, dv).permute(2, 0, 1, 3, 4))
         part_lse = acc_lse.view(b, h, c, n).permute(2, 0, 1, 3)
         del acc_out, acc_lse
         # Both exchanges fly at once.

@@ -169,8 +169,10 @@ def backward_q(ctx, dout, saved: list):
     reducer = _ReverseReduce(comm, groups, ReverseInitialSend(comm, topo, pos, None, kv_init.bounds))
     lanes = sub_ring_lanes(topo, pos, ctx.transfer)
     dkv: dict[int, torch.Tensor] = {}  # piece j's dK, dV [n, b, hkv, dqk + dv], until it is sent back
+    fresh_kv: dict[int, blocks.FreshRows] = {}  # their rows no call has written yet (Note [fresh rows])
 
     def send_back(j: int) -> None:  # piece j's rows of dK, dV are final
+        fresh_kv.pop(j).fill(lambda a, b: dkv[j][a:b].zero_())
         kv_init.release(j)
         reducer.through(j - 1)  # the previous piece has had this one's compute to land
         reducer.reverse.send(j, dkv.pop(j))  # its landing made once the previous one is freed
@@ -178,7 +180,8 @@ def backward_q(ctx, dout, saved: list):
     dq = None
     for pieces in ([[j] for j in range(c)] if piece_major else [list(range(c))]):
         first = kv_init.piece(pieces[0])  # [n, b, hkv, dqk + dv], landed before the round's passes
-        dkv.update((j, first.new_zeros(first.shape, dtype=acc_dtype)) for j in pieces)
+        dkv.update((j, first.new_empty(first.shape, dtype=acc_dtype)) for j in pieces)
+        fresh_kv.update((j, blocks.FreshRows(first.shape[0])) for j in pieces)
         del first
         for i in range(c):
             side = _member_side(comm, groups, own_side, i)
@@ -188,18 +191,22 @@ def backward_q(ctx, dout, saved: list):
             final = (i == c - 1, len(q_rot.lanes[0].order) - 1)  # the last pass's last step
 
             def step_q(step, payloads, _rows, q_rot=q_rot, pieces=pieces, final=final):
-                dqs = [held[0].new_zeros(held[0].shape, dtype=acc_dtype) for held in payloads]
+                dqs = [held[0].new_empty(held[0].shape, dtype=acc_dtype) for held in payloads]
+                fresh_q = [blocks.FreshRows(held[0].shape[0]) for held in payloads]
                 for j in pieces:  # K, V pieces, as they land (the first pass's step 0)
                     kv, (a, b) = kv_init.piece(j), kv_init.bounds[j]
-                    for lane_index, (lane, (q_part, dout_part, out_part, lse_rows), dq_part) in enumerate(
-                            zip(q_rot.lanes, payloads, dqs)):
+                    for lane_index, (lane, (q_part, dout_part, out_part, lse_rows), dq_part, fresh) in enumerate(
+                            zip(q_rot.lanes, payloads, dqs, fresh_q)):
                         q_segments = q_rot.part_segments(lane.origin(pos, step), lane_index)
                         blocks.backward_step(ctx.kernel, q_part, dout_part, out_part, lse_rows, kv, q_segments,
                                              segment_rows(kv_segments, a, b), dq_part, dkv[j], causal=ctx.causal,
-                                             scale=ctx.scale, window=ctx.window, max_rows=n)
+                                             scale=ctx.scale, window=ctx.window, max_rows=n, fresh_q=fresh,
+                                             fresh_kv=fresh_kv[j])
                     del kv
                     if final == (True, step) and j != pieces[-1]:
                         send_back(j)  # flies while the round's later pieces compute
+                for dq_part, fresh in zip(dqs, fresh_q):
+                    fresh.fill(lambda x, y, dq_part=dq_part: dq_part[x:y].zero_())
                 return [[dq_part] for dq_part in dqs]
 
             home = rotate(comm, q_rot.lanes, pos, q_rot.split(side), step_q, op="sub_ring", accumulate=True)
@@ -243,24 +250,25 @@ def _sub_ring_backward_kv(comm, groups, docs, kernel, transfer, q_team, do_out, 
     rows = q_team.shape[0]  # of the team's gathered sequence
     lanes = sub_ring_lanes(topo, pos, transfer)
 
-    def grads(q, do_o, lse_rows, kv, q_segments, kv_segments, dq, dkv):
-        blocks.backward_step(kernel, q, do_o[..., :dv], do_o[..., dv:], lse_rows, kv, q_segments, kv_segments, dq,
-                             dkv, causal=causal, scale=scale, window=window, max_rows=max_rows)
-
     own_q_segments = team_segments(groups, docs, topo.team_of(pos))
-    dq_team = q_team.new_zeros(q_team.shape, dtype=acc_dtype)
+    # Note [fresh rows] in blocks.py: the accumulators start unwritten, the first call writes.
+    dq_team, fresh_q = q_team.new_empty(q_team.shape, dtype=acc_dtype), blocks.FreshRows(rows)
     kv_rot = LaneSplit(lanes, rows, lambda origin: team_segments(groups, docs, topo.kv_team_at_step(origin, 0)))
 
     def step_kv(step, payloads, part_rows):
         contrib = []
         for lane_index, (lane, (kv,), kv_rows) in enumerate(zip(kv_rot.lanes, payloads, part_rows)):
-            dkv = kv.new_zeros(kv.shape, dtype=acc_dtype)
+            dkv, fresh_kv = kv.new_empty(kv.shape, dtype=acc_dtype), blocks.FreshRows(kv.shape[0])
             kv_segments = kv_rot.part_segments(lane.origin(pos, step), lane_index, kv_rows)
-            grads(q_team, do_out, lse_team, kv, own_q_segments, kv_segments, dq_team, dkv)
+            blocks.backward_step(kernel, q_team, do_out[..., :dv], do_out[..., dv:], lse_team, kv, own_q_segments,
+                                 kv_segments, dq_team, dkv, causal=causal, scale=scale, window=window,
+                                 max_rows=max_rows, fresh_q=fresh_q, fresh_kv=fresh_kv)
+            fresh_kv.fill(lambda a, b, dkv=dkv: dkv[a:b].zero_())
             contrib.append([dkv])
         return contrib
 
     home = rotate(comm, kv_rot.lanes, pos, kv_rot.split([kv_init.tensor]), step_kv, op="sub_ring", accumulate=True,
                   pieces=kv_rot.pieces(kv_init))
+    fresh_q.fill(lambda a, b: dq_team[a:b].zero_())
     dkv_init = kv_rot.join([lane_acc[0] for lane_acc in home])
     return dq_team, ReverseInitialSend(comm, topo, pos, dkv_init, kv_init.bounds)

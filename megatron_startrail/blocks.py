@@ -41,12 +41,71 @@ def split_kv(kv: torch.Tensor, dqk: int, dtype: torch.dtype) -> tuple[torch.Tens
     return kv[..., :dqk].to(dtype), kv[..., dqk:].to(dtype)
 
 
-def new_partials(q: torch.Tensor, dv: int) -> tuple[torch.Tensor, torch.Tensor]:
+def new_partials(q: torch.Tensor, dv: int, fresh: FreshRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward's accumulators for the rows of ``q [Sq, b, h, dqk]``, before any key:
-    ``acc_out [b, h, Sq, dv]`` zeros and ``acc_lse [b, h, Sq]`` -inf (accumulator dtype)."""
+    ``acc_out [b, h, Sq, dv]`` zeros and ``acc_lse [b, h, Sq]`` -inf (accumulator dtype). With
+    ``fresh`` (rows ``Sq``) they are left unwritten: the first call to reach a row writes it
+    (:func:`forward_step`), and :func:`fill_unseen` the rows none reached."""
     rows, b, h = q.shape[:3]
     acc = acc_dtype(q.dtype)
+    if fresh is not None:
+        return q.new_empty((b, h, rows, dv), dtype=acc), q.new_empty((b, h, rows), dtype=acc)
     return q.new_zeros((b, h, rows, dv), dtype=acc), q.new_full((b, h, rows), float("-inf"), dtype=acc)
+
+
+# Note [fresh rows]
+# -----------------
+# The accumulators (the forward's out and lse, the backward's dQ, dK, dV in float32) used
+# to start as zeros / -inf, and every kernel call merged into them. The first call to reach
+# a row merges into nothing: out, lse of a merge into (0, -inf) are the call's own, and
+# 0 + g = g. So a buffer made with ``new_empty`` comes with a :class:`FreshRows`, a host-side
+# list of the row runs no call has written yet (the calls' row runs are planned on the
+# host: no sync), and a call's rows are split into those it is the first to reach (a copy)
+# and the others (the merge or add). Per element of a bf16 call into float32 rows, in bytes
+# read + written: the forward's merge 18 (cast 6, lerp 12) and the fill 4 become a copy of
+# 6; the backward's add 10 and the fill 4 become 6. Whatever no call reached is filled once
+# (zeros, -inf) before the buffer is read; calls that gather their rows by an index fill
+# every unwritten row first (an index may repeat a row: its gradients are summed).
+
+
+class FreshRows:
+    """The runs of rows ``[a, b)`` of a buffer that no call has written yet (Note [fresh rows])."""
+
+    def __init__(self, rows: int) -> None:
+        self._unwritten = [(0, rows)] if rows else []
+
+    def take(self, a: int, b: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """Rows ``[a, b)`` are being written: returns the runs of them unwritten until now and
+        the runs already written (absolute rows, in order), and marks them all written."""
+        fresh, left = [], []
+        for lo, hi in self._unwritten:
+            x, y = max(lo, a), min(hi, b)
+            if x >= y:
+                left.append((lo, hi))
+                continue
+            fresh.append((x, y))
+            left += [r for r in ((lo, x), (y, hi)) if r[0] < r[1]]
+        self._unwritten = left
+        written, pos = [], a
+        for x, y in fresh:
+            if pos < x:
+                written.append((pos, x))
+            pos = y
+        if pos < b:
+            written.append((pos, b))
+        return fresh, written
+
+    def fill(self, fill_rows) -> None:
+        """``fill_rows(a, b)`` for every run still unwritten; then none is."""
+        for a, b in self._unwritten:
+            fill_rows(a, b)
+        self._unwritten = []
+
+
+def fill_unseen(acc_out: torch.Tensor, acc_lse: torch.Tensor, fresh: FreshRows | None) -> None:
+    """The forward's accumulators' rows no call reached: out 0, lse -inf (they saw no key)."""
+    if fresh is not None:
+        fresh.fill(lambda a, b: (acc_out[:, :, a:b].zero_(), acc_lse[:, :, a:b].fill_(float("-inf"))))
 
 
 def finished(acc_out: torch.Tensor, acc_lse: torch.Tensor, dtype: torch.dtype,
@@ -57,7 +116,12 @@ def finished(acc_out: torch.Tensor, acc_lse: torch.Tensor, dtype: torch.dtype,
     dtype (:func:`~megatron_startrail.sinks.add_sink_`; in place on the accumulators)."""
     if sink is not None:
         add_sink_(acc_out, acc_lse, sink)
-    return acc_out.permute(2, 0, 1, 3).to(dtype).contiguous(), acc_lse.permute(2, 0, 1).contiguous()
+    # Cast and made sequence first in one copy each (``.to`` of the permuted view keeps its
+    # strides, and ``.contiguous()`` would copy it once more).
+    b, h, rows, dv = acc_out.shape
+    out = acc_out.new_empty((rows, b, h, dv), dtype=dtype)
+    out.copy_(acc_out.permute(2, 0, 1, 3))
+    return out, acc_lse.permute(2, 0, 1).contiguous()
 
 
 def merge_lse_(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
@@ -78,10 +142,11 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor
     lse = torch.logsumexp(lses, dim=0)
     ref = lse.masked_fill(lse.isneginf(), 0.0)
     weights = torch.exp(lses - ref).unsqueeze(-1)  # rows nobody saw: all weights 0
-    # Summed part by part: one part's product at a time, not C of them (peak memory).
-    out = outs[0].to(weights.dtype) * weights[0]
+    # Summed part by part: one part's product at a time, not C of them (peak memory). The
+    # product promotes a bf16 part to float32 as it reads it: no cast copy of its own.
+    out = outs[0] * weights[0]
     for part, weight in zip(outs[1:], weights[1:]):
-        out.add_(part.to(weights.dtype) * weight)
+        out.add_(part * weight)
     return out, lse
 
 
@@ -114,13 +179,30 @@ def _rows(x: torch.Tensor, call: KernelCall, side: str, dim: int = 0) -> torch.T
     return x.index_select(dim, call.tensor(side + "_index", x.device))
 
 
-def _add_into(dst: torch.Tensor, src: torch.Tensor, call: KernelCall, side: str) -> None:
-    """``dst`` rows of the call (dim 0) += ``src`` (a gathered key row may repeat: summed)."""
+def _add_into(dst: torch.Tensor, srcs: tuple[torch.Tensor, ...], call: KernelCall, side: str,
+              fresh: FreshRows | None) -> None:
+    """The call's rows (dim 0) of ``dst`` += ``srcs`` (side by side in the last dim: dK | dV
+    into ``dkv``; a gathered key row may repeat: summed). Rows ``fresh`` says no call has
+    written yet take the gradients as they are (Note [fresh rows])."""
     run = call.q_slice if side == "q" else call.k_slice
-    if run is not None:
-        dst[run[0] : run[1]].add_(src)
-    else:
-        dst.index_add_(0, call.tensor(side + "_index", dst.device), src.to(dst.dtype))
+    parts, col = [], 0
+    for src in srcs:
+        parts.append(dst[..., col : col + src.shape[-1]])
+        col += src.shape[-1]
+    if run is None:
+        if fresh is not None:
+            fresh.fill(lambda a, b: dst[a:b].zero_())
+        index = call.tensor(side + "_index", dst.device)
+        for part, src in zip(parts, srcs):
+            part.index_add_(0, index, src.to(dst.dtype))
+        return
+    a, b = run
+    fresh_runs, written = fresh.take(a, b) if fresh is not None else ([], [run])
+    for part, src in zip(parts, srcs):
+        for x, y in fresh_runs:
+            part[x:y].copy_(src[x - a : y - a])
+        for x, y in written:
+            part[x:y].add_(src[x - a : y - a])
 
 
 def forward_step(
@@ -136,9 +218,11 @@ def forward_step(
     scale: float,
     window: tuple[int, int] | None = None,
     max_rows: int | None = None,
+    fresh: FreshRows | None = None,
 ) -> None:
     """Attend ``q`` to ``kv`` and merge into ``acc_out [b, h, Sq, dv]`` / ``acc_lse [b, h, Sq]``
-    (at most ``max_rows`` query and key rows per kernel call)."""
+    (at most ``max_rows`` query and key rows per kernel call); ``fresh``: the accumulators'
+    rows no call has written yet (Note [fresh rows])."""
     dqk = q.shape[-1]
     for call in device_calls(q_segments, k_segments, causal, window, max_rows, q.device, q.shape[1]):
         kvs = _rows(kv, call, "k")
@@ -146,8 +230,14 @@ def forward_step(
         out = out.permute(1, 2, 0, 3)  # [Tq, b, h, dv] -> [b, h, Tq, dv]
         if call.q_slice is not None:
             a, b = call.q_slice
-            merge_lse_(acc_out[:, :, a:b], acc_lse[:, :, a:b], out, lse)
+            fresh_runs, written = fresh.take(a, b) if fresh is not None else ([], [(a, b)])
+            for x, y in fresh_runs:  # Note [fresh rows]: the call's own result
+                acc_out[:, :, x:y].copy_(out[:, :, x - a : y - a])
+                acc_lse[:, :, x:y].copy_(lse[:, :, x - a : y - a])
+            for x, y in written:
+                merge_lse_(acc_out[:, :, x:y], acc_lse[:, :, x:y], out[:, :, x - a : y - a], lse[:, :, x - a : y - a])
         else:
+            fill_unseen(acc_out, acc_lse, fresh)  # the index's rows are merged into
             index = call.tensor("q_index", q.device)
             part_out, part_lse = acc_out.index_select(2, index), acc_lse.index_select(2, index)
             merge_lse_(part_out, part_lse, out, lse)
@@ -171,9 +261,12 @@ def backward_step(
     scale: float,
     window: tuple[int, int] | None = None,
     max_rows: int | None = None,
+    fresh_q: FreshRows | None = None,
+    fresh_kv: FreshRows | None = None,
 ) -> None:
     """Add this step's gradients into ``dq [Sq, b, h, dqk]`` and ``dkv [Sk, b, hkv, dqk + dv]``
-    (at most ``max_rows`` query and key rows per kernel call)."""
+    (at most ``max_rows`` query and key rows per kernel call); ``fresh_q`` / ``fresh_kv``:
+    their rows no call has written yet (Note [fresh rows])."""
     dqk = q.shape[-1]
     for call in device_calls(q_segments, k_segments, causal, window, max_rows, q.device, q.shape[1]):
         kvs = _rows(kv, call, "k")
@@ -181,8 +274,7 @@ def backward_step(
             _rows(dout, call, "q"), _rows(q, call, "q"), kvs[..., :dqk], kvs[..., dqk:], _rows(out, call, "q"),
             _rows(lse, call, "q").permute(1, 2, 0), call, scale=scale,
         )
-        _add_into(dq, gq, call, "q")
-        _add_into(dkv[..., :dqk], gk, call, "k")
-        _add_into(dkv[..., dqk:], gv, call, "k")
+        _add_into(dq, (gq,), call, "q", fresh_q)
+        _add_into(dkv, (gk, gv), call, "k", fresh_kv)
         # Freed before the next call's kernel runs (else two calls' gradients are live at once).
         del gq, gk, gv

@@ -138,10 +138,11 @@ def test_committed_runs_are_ranked_and_predicted_within_bounds():
 
 
 def unlimited(**kw) -> ClusterSpec:
-    """Links with no latency and no limit, a kernel that takes no time: override what matters."""
+    """Links with no latency and no limit, a kernel that takes no time (at ``attention_tflops``
+    flat: no measured block-loop efficiency): override what matters."""
     return ClusterSpec(**{"nodes": 2, "gpus_per_node": 4, "intra_node_gbs": 1e12, "inter_node_gbs": 1e12,
                           "nics_per_node": 1, "intra_latency_s": 0.0, "inter_latency_s": 0.0,
-                          "attention_tflops": 1e15, **kw})
+                          "attention_tflops": 1e15, "block_loop": None, **kw})
 
 
 @pytest.mark.parametrize("work", WORKS[:2])
@@ -227,7 +228,7 @@ def test_a_slow_inter_node_link_prefers_teams_and_fast_links_prefer_the_ring():
     assert st2.internode_bytes < ring.internode_bytes and st2.time_s < ring.time_s
     assert choose_plan(cp_size=16, ulysses_size=1, gpus_per_node=8, seq_length=8192, num_heads=4,
                        num_kv_heads=4, head_dim=32, micro_batch_size=1, dtype_bytes=4, cluster=slow).team_size > 1
-    compute_bound = preset(DEFAULT_CLUSTER, 2, attention_tflops=1e-3, overlap=1.0)
+    compute_bound = preset(DEFAULT_CLUSTER, 2, attention_tflops=1e-3, overlap=1.0, block_loop=None)
     assert choose_plan(cp_size=16, ulysses_size=1, gpus_per_node=8, seq_length=8192, num_heads=4,
                        num_kv_heads=4, head_dim=32, micro_batch_size=1, dtype_bytes=4,
                        cluster=compute_bound).team_size == 1

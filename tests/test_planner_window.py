@@ -145,7 +145,8 @@ def test_with_a_skip_frequency_a_prediction_is_the_mean_over_the_layers_mix(freq
     preset("h100-nvlink-8x400ib", 4),                             # the default: fast links
     preset("a100-8gpu-100gbe", 4),                                # one 100 GbE link per node
     ClusterSpec(nodes=2, gpus_per_node=16, inter_node_gbs=0.0125, nics_per_node=1,  # the test bed's 100 Mbit/s
-                intra_node_gbs=0.2, inter_latency_s=4e-3, intra_latency_s=4e-3, attention_tflops=0.03),
+                intra_node_gbs=0.2, inter_latency_s=4e-3, intra_latency_s=4e-3, attention_tflops=0.03,
+                block_loop=None),
 ])
 def test_a_windowed_layer_is_predicted_cheaper_than_a_full_one(cluster):
     cp = cluster.nodes * cluster.gpus_per_node

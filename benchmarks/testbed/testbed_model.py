@@ -105,6 +105,7 @@ def testbed_cluster(calibration: dict, nodes: int, ranks_per_node: int, rate_mbi
         intra_node_gbs=calibration.get("intra_node_gbs", 1.0),
         inter_node_gbs=calibration.get("inter_node_gbs", rate_mbit / 8 / 1000), nics_per_node=1,
         intra_latency_s=latency, inter_latency_s=latency, attention_tflops=calibration["attention_tflops"],
+        block_loop=None,  # the calibration measured the rate of the block loop itself
         overlap=calibration.get("overlap", 1.0), inter_node_mesh=full_mesh,
         inter_node_duplex_gbs=calibration.get("inter_node_duplex_gbs"),
         collective_latency_s=calibration.get("collective_latency_s"),

@@ -13,20 +13,25 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from .gpu_rates import H100_BLOCK_LOOP, H100_FA2_BLOCK_LOOP_VS_FA2, H100_FUSED_TFLOPS, BlockLoopEfficiency
+
 # Assumed fractions of line rate that NCCL delivers (no cluster here to measure them):
 # NVLink and InfiniBand (RDMA) run close to line rate; 100 GbE through NCCL's TCP sockets
 # (no RDMA) far below it. GPU_OVERLAP: NCCL's kernels take SMs and memory bandwidth from
 # the attention kernel they overlap with. The second table of benchmarks/paper_clusters.py
 # shows how the predicted winners move with the last two.
 NVLINK_EFFICIENCY, IB_EFFICIENCY, TCP_ETHERNET_EFFICIENCY, GPU_OVERLAP = 0.9, 0.9, 0.5, 0.7
+# The A100's FA2 rate has no measurement here: an assumption (the A100 presets' kernel).
+A100_FA2_TFLOPS = 170.0
 
 
 @dataclass(frozen=True)
 class ClusterSpec:
     """Topology and speeds. The defaults are the default preset, ``DEFAULT_CLUSTER`` =
     "h100-nvlink-8x400ib": H100 SXM, 8 per node on NVLink 4 (450 GB/s per GPU), 8 x 400 Gbit/s
-    InfiniBand per node (400 GB/s), both at 90 % of line rate; bf16 FlashAttention-2 at
-    350 TFLOP/s; overlap 0.7."""
+    InfiniBand per node (400 GB/s), both at 90 % of line rate; overlap 0.7; attention priced
+    as measured on one H100 (:mod:`.gpu_rates`): the fused cuDNN call's 559 TFLOP/s times
+    the cuDNN block loop's efficiency at the rank's tokens."""
 
     nodes: int
     gpus_per_node: int = 8
@@ -35,7 +40,10 @@ class ClusterSpec:
     nics_per_node: int = 8  # one rank's transfers to other nodes use its NIC: 1/nics of the node's rate
     intra_latency_s: float = 5e-6  # per transfer inside a node
     inter_latency_s: float = 20e-6  # per transfer between nodes
-    attention_tflops: float = 350.0  # effective, per GPU, forward and backward alike
+    # The attention kernel's rate on one long fused call, per GPU, forward and backward alike;
+    # a rank's block loop runs at ``block_loop.at(tokens per rank)`` of it (None: all of it).
+    attention_tflops: float = H100_FUSED_TFLOPS
+    block_loop: BlockLoopEfficiency | None = H100_BLOCK_LOOP["torch_cuda_cudnn"]
     overlap: float = GPU_OVERLAP
     # Full meshes: every pair has its own link. Inside a node (xGMI-style) a GPU's
     # bandwidth is split over its gpus_per_node - 1 links; between nodes inter_node_gbs
@@ -44,6 +52,12 @@ class ClusterSpec:
     inter_node_mesh: bool = False
     # CP rank c sits on global rank c * cp_stride (Megatron's order tp-cp-...: stride = TP).
     cp_stride: int = 1
+
+    def attention_rate(self, tokens_per_rank: float) -> float:
+        """FLOP/s of one rank's attention (kernels, merges, copies, per-call work) when it
+        holds ``tokens_per_rank`` tokens."""
+        efficiency = self.block_loop.at(tokens_per_rank) if self.block_loop is not None else 1.0
+        return self.attention_tflops * 1e12 * efficiency
 
     def node_of(self, cp_rank: int) -> int:
         return (cp_rank * self.cp_stride) // self.gpus_per_node
@@ -110,10 +124,15 @@ class ClusterSpec:
 PRESETS: dict[str, dict] = {
     "h100-nvlink-8x400ib": {},  # the defaults of ClusterSpec
     # The StarTrail paper's A100 40GB clusters (Table 1; Google Cloud): NVLink 3 (300 GB/s)
-    # inside, one 100 Gbit/s Ethernet link (12.5 GB/s) per node; 170 TFLOP/s bf16.
+    # inside, one 100 Gbit/s Ethernet link (12.5 GB/s) per node; FA2 at an assumed 170
+    # TFLOP/s bf16, its block loop at the efficiency FA2's measured on the H100 against its
+    # own fused call (.gpu_rates).
     **{f"a100-{n}gpu-100gbe": dict(gpus_per_node=n, intra_node_gbs=300 * NVLINK_EFFICIENCY,
                                    inter_node_gbs=12.5 * TCP_ETHERNET_EFFICIENCY, nics_per_node=1,
-                                   attention_tflops=170.0) for n in (16, 8, 4)},
+                                   attention_tflops=A100_FA2_TFLOPS, block_loop=H100_FA2_BLOCK_LOOP_VS_FA2)
+       for n in (16, 8, 4)},
+    # H100 nodes with one 400 Gbit/s NIC each (50 GB/s per node), the kernel as the default's.
+    "h100-nvlink-1x400ib": dict(inter_node_gbs=50 * IB_EFFICIENCY, nics_per_node=1),
 }
 DEFAULT_CLUSTER = "h100-nvlink-8x400ib"
 

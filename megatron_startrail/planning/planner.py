@@ -12,8 +12,10 @@ The model walks the schedule the implementation runs, with the bytes of
     pipelining    = the initial send lands in C pieces and step 0 attends each as it lands:
                     (C-1)/C of min(send, step 0) hides, each extra piece pays a latency
 
-Compute is the attention's FLOPs (causal: half the blocks) at ``attention_tflops``; the
-backward does 2.5x the forward's (flash attention recomputes). The default cluster is the
+Compute is the attention's FLOPs (causal: half the blocks) at the cluster's
+:meth:`~megatron_startrail.planning.cluster.ClusterSpec.attention_rate` for the rank's tokens
+(on the H100 presets measured: :mod:`megatron_startrail.planning.gpu_rates`); the backward
+does 2.5x the forward's (flash attention recomputes). The default cluster is the
 ``h100-nvlink-8x400ib`` preset (:mod:`megatron_startrail.planning.cluster`).
 
 A sliding window (``Workload.window``) makes compute the pairs inside the window, and
@@ -180,7 +182,8 @@ def _halo_layer(cluster: ClusterSpec, work: Workload, cp_size: int, team_size: i
     row = shape.batch * shape.kv_heads * (shape.head_dim + shape.v_dim)  # elements of one K|V row
     fwd = cluster.exchange_time([(owner, to, n * row * shape.dtype_bytes) for (owner, to), n in rows.items()])
     bwd = cluster.exchange_time([(to, owner, n * row * shape.acc_bytes) for (owner, to), n in rows.items()])
-    compute = (1 + BACKWARD_FLOPS_RATIO) * work.attention_flops(cp_size) / (cluster.attention_tflops * 1e12)
+    compute = (1 + BACKWARD_FLOPS_RATIO) * work.attention_flops(cp_size) / cluster.attention_rate(
+        work.seq_length / cp_size)
     el = startrail_rank_elements(shape, 1)  # before any Ulysses all-to-all
     # Kept for backward: ring attention's (own q, k|v, out, lse) and the received K|V rows.
     kept = (el.q + el.kv + el.out + received * row) * shape.dtype_bytes + el.lse * shape.acc_bytes
@@ -248,7 +251,7 @@ def _schedule_layer(cluster: ClusterSpec, work: Workload, cp_size: int, team_siz
     e, a = shape.dtype_bytes, shape.acc_bytes
     eq, ekv, eo, el = startrail_rank_elements(shape, u)
     cp_rank = lambda pos, uly=0: pos * u + uly  # noqa: E731 - StarTrail position -> CP rank
-    rate = cluster.attention_tflops * 1e12
+    rate = cluster.attention_rate(work.seq_length * u / cp_size)  # a StarTrail rank's tokens, after Ulysses
     compute_fwd = work.attention_flops(cp_size) / rate
     compute_bwd = BACKWARD_FLOPS_RATIO * compute_fwd
     phases = []  # blocking phases: (seconds, the busiest node's inter-node bytes)
@@ -386,7 +389,8 @@ CLUSTER_FLAGS = [
     ("--intra-node-gbs", "intra_node_gbs", float, 1, "GB/s per GPU per direction"),
     ("--inter-node-gbps", "inter_node_gbs", float, 1 / 8, "Gbit/s per node, all NICs together"),
     ("--nics-per-node", "nics_per_node", int, 1, "NICs per node"),
-    ("--attention-tflops", "attention_tflops", float, 1, "attention kernel TFLOP/s per GPU"),
+    ("--attention-tflops", "attention_tflops", float, 1, "attention kernel TFLOP/s per GPU on one long fused call (the "
+     "preset's measured block-loop efficiency applies on top)"),
     ("--overlap", "overlap", float, 1, "fraction of a sub-ring step's transfer hidden behind its compute"),
 ]
 

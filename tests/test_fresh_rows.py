@@ -1,0 +1,74 @@
+"""Accumulators that start unwritten (Note [fresh rows] in blocks.py): the first call to reach a
+row copies instead of merging into zeros / -inf, rows no call reaches are filled once. The
+results must be bitwise those of the zero-initialised merge, forward and backward, with
+calls that split a step's rows (``max_rows``), documents, and padding rows no call reaches."""
+
+import pytest
+import torch
+
+from megatron_startrail import blocks
+from megatron_startrail.kernels import ReferenceKernel
+from megatron_startrail.layout import PADDING
+
+
+def test_take_splits_a_run_into_fresh_and_written_parts():
+    fresh = blocks.FreshRows(10)
+    assert fresh.take(2, 5) == ([(2, 5)], [])
+    assert fresh.take(0, 8) == ([(0, 2), (5, 8)], [(2, 5)])
+    assert fresh.take(3, 4) == ([], [(3, 4)])
+    filled = []
+    fresh.fill(lambda a, b: filled.append((a, b)))
+    assert filled == [(8, 10)]
+    fresh.fill(lambda a, b: filled.append((a, b)))
+    assert filled == [(8, 10)] and fresh.take(0, 10) == ([], [(0, 10)])
+
+
+# q rows: zigzag chunks of one document and a padded second one; K, V arrive in two steps.
+Q_SEGMENTS = ((0, 0, 8), (0, 24, 32), (1, 0, 5), (PADDING, 5, 8))
+STEPS = (((0, 0, 8), (0, 24, 32), (1, 0, 5), (PADDING, 5, 8)), ((0, 8, 16), (0, 16, 24)))
+
+
+def _steps(fresh: bool, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    rows, b, h, hkv, d = 24, 2, 4, 2, 16
+    q = torch.randn(rows, b, h, d, generator=gen, dtype=torch.float64).to(dtype)
+    kvs = [torch.randn(sum(s[2] - s[1] for s in segs), b, hkv, 2 * d, generator=gen, dtype=torch.float64).to(dtype)
+           for segs in STEPS]
+    dout = torch.randn(rows, b, h, d, generator=gen, dtype=torch.float64).to(dtype)
+    kernel, kw = ReferenceKernel(), dict(causal=True, scale=d ** -0.5, max_rows=6)
+    rows_fresh = blocks.FreshRows(rows) if fresh else None
+    acc_out, acc_lse = blocks.new_partials(q, d, rows_fresh)
+    if fresh:  # poison: what no call writes must be filled, never read
+        acc_out.fill_(float("nan"))
+        acc_lse.fill_(float("nan"))
+    for kv, segs in zip(kvs, STEPS):
+        blocks.forward_step(kernel, q, kv, Q_SEGMENTS, segs, acc_out, acc_lse, fresh=rows_fresh, **kw)
+    blocks.fill_unseen(acc_out, acc_lse, rows_fresh)
+    out, lse = blocks.finished(acc_out, acc_lse, dtype)
+    acc = blocks.acc_dtype(dtype)
+    dq = torch.full(q.shape, float("nan"), dtype=acc) if fresh else q.new_zeros(q.shape, dtype=acc)
+    fresh_q = blocks.FreshRows(rows) if fresh else None
+    dkvs = []
+    for kv, segs in zip(kvs, STEPS):
+        dkv = torch.full(kv.shape, float("nan"), dtype=acc) if fresh else kv.new_zeros(kv.shape, dtype=acc)
+        fresh_kv = blocks.FreshRows(kv.shape[0]) if fresh else None
+        blocks.backward_step(kernel, q, dout, out, lse, kv, Q_SEGMENTS, segs, dq, dkv, fresh_q=fresh_q,
+                             fresh_kv=fresh_kv, **kw)
+        if fresh:
+            fresh_kv.fill(lambda a, b, dkv=dkv: dkv[a:b].zero_())
+        dkvs.append(dkv)
+    if fresh:
+        fresh_q.fill(lambda a, b: dq[a:b].zero_())
+    return out, lse, dq, dkvs
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_fresh_rows_give_the_zero_initialised_results_bitwise(dtype):
+    plain, fresh = _steps(False, dtype), _steps(True, dtype)
+    for a, b in zip(plain[:3], fresh[:3]):
+        assert torch.equal(a, b)
+    for a, b in zip(plain[3], fresh[3]):
+        assert torch.equal(a, b)
+    out, lse = plain[0], plain[1]
+    assert torch.isneginf(lse[-3:]).all() and (out[-3:] == 0).all()  # the padding rows saw nothing
+    assert torch.isfinite(lse[:-3]).all()
