@@ -29,13 +29,16 @@ rotation below); every kernel call adds its kernel's workspace, ``W``, its own t
                                  e + Ekv e / 2 (n query rows, a chunk of keys), team (Eq +
                                  2 Eo) e / 2 + Ekv e (a chunk of queries, n keys) + W
     backward, rotation "q"       kept + [regathered] team K, V (C = 1: phases 1-2)
-    (streamed per member,        + C Ekv a (the fixed dK|dV) + the most of: [C>1] one
-    sub-ring step >= 1)          member's (Eq + 2 Eo) e + El a (broadcast) + its held copies
-                                 + 3 Eq a (dQ accumulators), and (C > 1) the last pass's last
-                                 step: [not this rank's pass] one member's side + one held
-                                 copy + 3 Eq a + init Ekv a (piece 0's reverse landing)
-                                 + kernel call's bf16 gradients: ring (Eq + Ekv / 2) e,
-                                 team (Eq + Ekv) e (n query rows, n keys) + W
+    (streamed per member)        + C Ekv a (the fixed dK|dV) + with S = (Eq + 2 Eo) e + El a,
+                                 one member's side: C = 1, held S + 3 Eq a (dQ accumulators);
+                                 C > 1, the most of: step 0, 2 S (the broadcast, the next
+                                 landing) + Eq a; steps >= 1, (1 + [G>2]) S + 3 Eq a; the last
+                                 pass's last step, S + 3 Eq a + init Ekv a (piece 0's reverse
+                                 landing)
+                                 + kernel call's bf16 gradients: ring (Eq + Ekv / 2) e; team,
+                                 at each step of each pass, that step's largest call (member
+                                 i's rows against a fixed piece: n x n on the diagonal, else
+                                 n x n/2 or n/2 x n by the zigzag order) + W
     backward, rotation "q",      kept + one member's (Eq + 2 Eo) e + El a + 2 Eq a (dQ)
     G = 1 (piece-major)          + the most, over pieces j, of [regathered] (1 + [j<C-1](1 +
                                  init)) Ekv e (pieces of K, V) + (1 + [j>=1](1 + init) +
@@ -112,6 +115,8 @@ class _Layer:
     rotation: str
     regathers: bool
     kernel: str
+    topo: StarTrailTopology
+    pos: int
 
     @property
     def team_q(self) -> int:
@@ -157,7 +162,7 @@ def _layer(shape, cp_size, team_size, ulysses_size, startrail_rank, rotation, re
     eq, ekv, eo, el = startrail_rank_elements(shape, u)
     return _Layer(shape, u, c, topo.sub_ring_size, shape.dtype_bytes, shape.acc_bytes, eq, ekv, eo, el, init,
                   topo.member_of(startrail_rank), topo.one_position_sub_rings, rotation,
-                  regather_in_backward or (c == 1 and not init), kernel)
+                  regather_in_backward or (c == 1 and not init), kernel, topo, startrail_rank)
 
 
 def _kept(x: _Layer) -> int:
@@ -232,30 +237,52 @@ def _piece_major_terms(x: _Layer) -> dict[str, int]:
             "call: workspace": backward_workspace_bytes(x.kernel, x.call(1 / 2, 1))}
 
 
-def _streamed_q_terms(x: _Layer) -> dict[str, int]:
+def _call_rows(x: _Layer, q_pos: int, k_pos: int) -> tuple[float, float]:
+    """The parts of its rows a backward call of position ``q_pos``'s queries against ``k_pos``'s
+    keys takes, in Megatron's zigzag layout (position p: chunks p and 2P-1-p): itself, both
+    against both (causal); later queries, both chunks against the keys' first; earlier, the
+    queries' second chunk against both."""
+    return (1, 1) if q_pos == k_pos else ((1, 1 / 2) if q_pos > k_pos else (1 / 2, 1))
+
+
+def _streamed_q_terms(x: _Layer, pos: int) -> dict[str, int]:
     """Rotation "q" (Note [streamed rotation q]): one member's query side at a time, K, V fixed."""
     # Regathered: the team's K, V landing (or ring attention's k | v and its send).
     regathered = (x.team_kv if x.c > 1 else x.phases_1_2) if x.regathers else 0
-    # Steps >= 1 of a pass whose member is not this rank: its side broadcast here, held copies of
-    # it, 3 dQ accumulators; (C > 1) the last pass's last step: no next hop landing, piece 0's
-    # reverse landing.
-    side = (x.eq + 2 * x.eo) * x.e + x.el * x.a  # one member's q, dO, out, lse
-    passing = (side if x.c > 1 else 0) + x.held_copies * side + 3 * x.eq * x.a
-    if x.c > 1:
-        last = (side if x.member != x.c - 1 else 0) + side + 3 * x.eq * x.a + x.init * x.ekv * x.a
-        passing = max(passing, last)
-    # One call: ring attention's take n query rows against a chunk (n/2) of keys; a team's
-    # streamed passes a member's n query rows against a piece's n.
-    k_part = 1 / 2 if x.c == 1 else 1
-    return {"regathered": regathered, "fixed dK|dV": x.c * x.ekv * x.a, "passing query side, dQ": passing,
-            "call: gradients": int((x.eq + x.ekv * k_part) * x.e),
-            "call: workspace": backward_workspace_bytes(x.kernel, x.call(1, k_part))}
+    # A pass's payloads are one member's side (q, dO, out, lse); the step-0 one is the broadcast
+    # (this rank's own, the caller's, at C = 1), freed once it has moved on. dQ accumulators: the
+    # step's own, and from step 1 the previous one's being sent and the one received.
+    side, dq = (x.eq + 2 * x.eo) * x.e + x.el * x.a, x.eq * x.a
+
+    def call(q_part: float, k_part: float) -> dict[str, int]:
+        return {"call: gradients": int((x.eq * q_part + x.ekv * k_part) * x.e),
+                "call: workspace": backward_workspace_bytes(x.kernel, x.call(q_part, k_part))}
+
+    fixed = {"regathered": regathered, "fixed dK|dV": x.c * x.ekv * x.a}
+    if x.c == 1:  # steps >= 1: the payload (G > 2: and the next one landing); n query rows, n/2 keys
+        return {**fixed, "passing query side, dQ": x.held_copies * side + 3 * dq, **call(1, 1 / 2)}
+    # C > 1, at every step of every member's pass: step 0, the broadcast and the next landing;
+    # steps >= 1, the payload [and the next landing]; the last pass's last step, piece 0's
+    # reverse landing too. The calls: member i of the team s sub-ring steps back against each
+    # piece of the fixed K, V (the initial send's team).
+    group, j = divmod(x.topo.team_of(pos), x.g)
+    kv_team = x.topo.kv_team_at_step(pos, 0)
+    moments = []
+    for i in range(x.c):
+        for step in range(x.g):
+            last = step == x.g - 1
+            held = (2 * side + dq) if step == 0 else ((1 if last else 2) * side + 3 * dq)
+            held += x.init * x.ekv * x.a if last and i == x.c - 1 else 0
+            q_pos = x.topo.position(group * x.g + (j - step) % x.g, i)
+            calls = [call(*_call_rows(x, q_pos, x.topo.position(kv_team, m))) for m in range(x.c)]
+            moments.append({**fixed, "passing query side, dQ": held, **max(calls, key=lambda t: sum(t.values()))})
+    return max(moments, key=lambda t: sum(t.values()))
 
 
 def backward_terms(x: _Layer) -> dict[str, int]:
     """The backward's peak (at a kernel call of a sub-ring step), term by term."""
     terms = _kv_backward_terms(x) if x.rotation == "kv" else (
-        _piece_major_terms(x) if x.one_position else _streamed_q_terms(x))
+        _piece_major_terms(x) if x.one_position else _streamed_q_terms(x, x.pos))
     return {"ulysses": x.ulysses, "kept": _kept(x), **terms}
 
 
