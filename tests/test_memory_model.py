@@ -146,3 +146,25 @@ def test_the_model_is_within_ten_percent_of_the_h100(config):
     assert model["backward_peak"] - bare == terms["call: workspace"]
     if team == 1:
         assert backward / bare - 1 > 0.10
+
+
+def test_fake_cuda_charges_an_ops_workspace_from_its_call_shape():
+    # LiveStorages (tests/fake_cuda/memory.py) charges each fused op its workspace from the op's
+    # own arguments: FA2's backward of P8 ring attention's call at 128K tokens (16384 query rows,
+    # one sequence, against 8192 keys; GQA 32/8 x 128, bf16). The H100 held 406,864,896 bytes
+    # above the model without a workspace in that row (1,024 more than this).
+    import torch  # noqa: PLC0415
+
+    from megatron_startrail.planning.workspace import KernelCallShape, backward_workspace_bytes  # noqa: PLC0415
+    from tests.fake_cuda.memory import workspace_bytes  # noqa: PLC0415
+
+    def meta(*shape, dtype=torch.bfloat16):
+        return torch.empty(*shape, device="meta", dtype=dtype)
+
+    q, kv, cum = meta(16384, 32, 128), meta(8192, 8, 128), meta(2, dtype=torch.int32)
+    args = (q, q, kv, kv, q, meta(32, 16384, dtype=torch.float32), cum, cum, 16384, 8192, 0.0, True, None, None)
+    got = workspace_bytes(torch.ops.aten._flash_attention_backward.default, args)
+    assert got == backward_workspace_bytes("torch_cuda_flash", KernelCallShape(16384, 8192, 32, 8, 128, 2, 1))
+    assert got == (16384 + 128) * 32 * 128 * 4 + 32 * (16384 + 128) * 4 + 2 * 8192 * 32 * 128 * 2 == 406863872
+    assert workspace_bytes(torch.ops.aten._flash_attention_forward.default, (q, kv, kv, cum, cum)) == 0
+    assert workspace_bytes(torch.ops.aten.mm.default, (q, q)) == 0
