@@ -184,7 +184,9 @@ def backward_q(ctx, dout, saved: list):
         fresh_kv.update((j, blocks.FreshRows(first.shape[0])) for j in pieces)
         del first
         for i in range(c):
-            side = _member_side(comm, groups, own_side, i)
+            # In a box: rotate takes the member's side out of it and holds its only reference, so
+            # the step-0 payload is freed once it has moved on, not held to the last step.
+            side = [_member_side(comm, groups, own_side, i)]
             # The rows of member i of the team at ``origin`` (Note [documents]: members in order).
             q_rot = LaneSplit(lanes, n, lambda origin, i=i: segment_rows(
                 team_segments(groups, docs, topo.team_of(origin)), i * n, (i + 1) * n))
@@ -209,8 +211,7 @@ def backward_q(ctx, dout, saved: list):
                     fresh.fill(lambda x, y, dq_part=dq_part: dq_part[x:y].zero_())
                 return [[dq_part] for dq_part in dqs]
 
-            home = rotate(comm, q_rot.lanes, pos, q_rot.split(side), step_q, op="sub_ring", accumulate=True)
-            del side
+            home = rotate(comm, q_rot.lanes, pos, q_rot.split(side.pop()), step_q, op="sub_ring", accumulate=True)
             dq_i = q_rot.join([lane_acc[0] for lane_acc in home])  # [n, b, h, dqk]: member i's rows
             del home
             if c > 1:  # reduced to member i at once: one member's dQ buffer live, not C of them

@@ -243,6 +243,9 @@ def forward_step(
             merge_lse_(part_out, part_lse, out, lse)
             acc_out.index_copy_(2, index, part_out)
             acc_lse.index_copy_(2, index, part_lse)
+            del part_out, part_lse
+        # Merged: freed before the next call's kernel runs (else two calls' results are live at once).
+        del out, lse, kvs
 
 
 def backward_step(
@@ -270,10 +273,20 @@ def backward_step(
     dqk = q.shape[-1]
     for call in device_calls(q_segments, k_segments, causal, window, max_rows, q.device, q.shape[1]):
         kvs = _rows(kv, call, "k")
-        gq, gk, gv = kernel.backward(
-            _rows(dout, call, "q"), _rows(q, call, "q"), kvs[..., :dqk], kvs[..., dqk:], _rows(out, call, "q"),
-            _rows(lse, call, "q").permute(1, 2, 0), call, scale=scale,
-        )
+        inputs = (_rows(dout, call, "q"), _rows(q, call, "q"), kvs[..., :dqk], kvs[..., dqk:], _rows(out, call, "q"),
+                  _rows(lse, call, "q").permute(1, 2, 0), call)
+        if call.q_slice is not None and call.k_slice is not None and hasattr(kernel, "backward_into"):
+            # A per-sequence kernel adds each sequence's gradients into the accumulators' rows:
+            # no whole-call gradients beside them (peak memory). Rows no call has written yet
+            # are zeroed first (Note [fresh rows]: accumulators start unwritten).
+            (a, b), (c, d) = call.q_slice, call.k_slice
+            for acc, fresh, (x0, x1) in ((dq, fresh_q, (a, b)), (dkv, fresh_kv, (c, d))):
+                if fresh is not None:
+                    for x, y in fresh.take(x0, x1)[0]:
+                        acc[x:y].zero_()
+            kernel.backward_into((dq[a:b], dkv[c:d, ..., :dqk], dkv[c:d, ..., dqk:]), *inputs, scale=scale)
+            continue
+        gq, gk, gv = kernel.backward(*inputs, scale=scale)
         _add_into(dq, (gq,), call, "q", fresh_q)
         _add_into(dkv, (gk, gv), call, "k", fresh_kv)
         # Freed before the next call's kernel runs (else two calls' gradients are live at once).

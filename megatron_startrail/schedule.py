@@ -165,7 +165,7 @@ def rotate(
             contrib = compute(step, held, piece.rows)
             if accumulate:
                 contribs.add(contrib, piece.rows, whole=len(step_pieces) == 1)
-            del contrib
+            del contrib, held  # this step's payload: held by ``payloads`` only, until the next has landed
         if accumulate:
             contrib = contribs.tensors
             if acc_pending is not None:

@@ -1,6 +1,7 @@
 """The closed form of one layer's live bytes (megatron_startrail/planning/memory_model.py) against
-the measured peak (benchmarks/peak_memory.py: CPU allocator events, forked gloo ranks; and
-benchmarks/fake_cuda_memory.py: GPU-scale shapes on fake CUDA)."""
+the measured peak (benchmarks/peak_memory.py: CPU allocator events, forked gloo ranks;
+benchmarks/fake_cuda_memory.py: GPU-scale shapes on fake CUDA; and one H100's
+``torch.cuda.max_memory_allocated``)."""
 
 import json
 
@@ -8,9 +9,27 @@ import pytest
 
 from benchmarks.peak_memory import run
 from megatron_startrail.accounting import AttentionShape
-from megatron_startrail.planning.memory_model import activation_peak_bytes, layer_memory_bytes
+from megatron_startrail.planning.memory_model import activation_peak_bytes, layer_memory_bytes, layer_memory_terms
 
 SHAPE = AttentionShape(256, 1, 4, 4, 32, 4)
+
+# One H100 80GB HBM3 (torch 2.11.0+cu130, auto's kernel: torch_cuda_flash), 9ee7a82: rank 1 of P
+# through torch's fake process group, 128K tokens of causal bf16 GQA 32/8 x 128, batch 1; bytes
+# above q, k, v, dO. The ten "part B" rows with a model column of
+# benchmarks/results/gpu/h100-2026-11-27/one_rank_gqa.jsonl (issue 50's memory table):
+# (P, C, rotation, regather): (forward peak, kept, backward peak).
+H100_ROWS = {
+    (8, 1, "kv", False): (878706688, 136314880, 2120238080),
+    (8, 1, "q", False): (878706688, 136314880, 2527085568),
+    (8, 2, "kv", False): (1488977920, 538968064, 3230680064),
+    (8, 2, "q", False): (1348468736, 270532608, 2898297856),
+    (8, 2, "kv", True): (1348468736, 136314880, 3230680064),
+    (16, 1, "kv", False): (439353344, 68157440, 1062208512),
+    (16, 2, "kv", False): (744488960, 269484032, 1683506176),
+    (16, 4, "kv", False): (1212153856, 470810624, 2222474240),
+    (16, 4, "q", False): (1078984704, 202375168, 1212695552),
+    (16, 4, "q", True): (1078984704, 68157440, 1112032256),
+}
 
 
 @pytest.fixture(scope="module")
@@ -104,3 +123,48 @@ def test_each_layer_adds_what_one_layer_is_measured_to_keep(measured):
     with_, without = (activation_peak_bytes(SHAPE, layers=16, cp_size=8, team_size=2, regather_in_backward=r)
                       for r in (True, False))
     assert with_ < without
+
+
+@pytest.mark.parametrize("config", sorted(H100_ROWS))
+def test_the_model_is_within_ten_percent_of_the_h100(config):
+    # Kept: exact; forward within 5%; backward within 10%: with the kernel's workspace
+    # (planning/workspace.py: FA2's fp32 dQ accumulator, its row sums and, for GQA, dK and dV at
+    # the 32 query heads) -- without it the backward was 10-24% under the H100's.
+    world, team, rotation, regather = config
+    forward, kept, backward = H100_ROWS[config]
+    shape = AttentionShape(2**17 // world, 1, 32, 8, 128, 2)
+    kw = dict(cp_size=world, team_size=team, startrail_rank=1, rotation=rotation, regather_in_backward=regather)
+    model = layer_memory_bytes(shape, **kw)
+    assert model["kept"] == kept
+    assert abs(model["forward_peak"] / forward - 1) <= 0.05, (model, forward)
+    assert abs(model["backward_peak"] / backward - 1) <= 0.10, (model, backward)
+    terms = layer_memory_terms(shape, **kw)["backward"]
+    assert terms["call: workspace"] > 0 and sum(terms.values()) == model["backward_peak"]
+    # The same model without a workspace (the reference kernel has none modelled) misses the H100
+    # by more than the bar on the rings (ring: 1.596 GiB modelled against 1.975 measured at P8).
+    bare = layer_memory_bytes(shape, **kw, kernel="reference")["backward_peak"]
+    assert model["backward_peak"] - bare == terms["call: workspace"]
+    if team == 1:
+        assert backward / bare - 1 > 0.10
+
+
+def test_fake_cuda_charges_an_ops_workspace_from_its_call_shape():
+    # LiveStorages (tests/fake_cuda/memory.py) charges each fused op its workspace from the op's
+    # own arguments: FA2's backward of P8 ring attention's call at 128K tokens (16384 query rows,
+    # one sequence, against 8192 keys; GQA 32/8 x 128, bf16). The H100 held 406,864,896 bytes
+    # above the model without a workspace in that row (1,024 more than this).
+    import torch  # noqa: PLC0415
+
+    from megatron_startrail.planning.workspace import KernelCallShape, backward_workspace_bytes  # noqa: PLC0415
+    from tests.fake_cuda.memory import workspace_bytes  # noqa: PLC0415
+
+    def meta(*shape, dtype=torch.bfloat16):
+        return torch.empty(*shape, device="meta", dtype=dtype)
+
+    q, kv, cum = meta(16384, 32, 128), meta(8192, 8, 128), meta(2, dtype=torch.int32)
+    args = (q, q, kv, kv, q, meta(32, 16384, dtype=torch.float32), cum, cum, 16384, 8192, 0.0, True, None, None)
+    got = workspace_bytes(torch.ops.aten._flash_attention_backward.default, args)
+    assert got == backward_workspace_bytes("torch_cuda_flash", KernelCallShape(16384, 8192, 32, 8, 128, 2, 1))
+    assert got == (16384 + 128) * 32 * 128 * 4 + 32 * (16384 + 128) * 4 + 2 * 8192 * 32 * 128 * 2 == 406863872
+    assert workspace_bytes(torch.ops.aten._flash_attention_forward.default, (q, kv, kv, cum, cum)) == 0
+    assert workspace_bytes(torch.ops.aten.mm.default, (q, q)) == 0

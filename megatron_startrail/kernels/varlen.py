@@ -68,26 +68,55 @@ class PerSequenceKernel:
 
     def forward(self, q, k, v, call: KernelCall, *, scale):
         tq, b, h, _ = q.shape
+        sequences = list(self._masks(call, q.device))
+        if _whole(sequences, tq, k.shape[0]):  # one sequence, every row: the op's result as it is
+            (_, _, causal, mask), = sequences
+            o, lse = self._attend(_bhsd(q), _bhsd(k), _bhsd(v), causal=causal, mask=mask, scale=scale)
+            return o.permute(2, 0, 1, 3), lse
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         out = q.new_empty((tq, b, h, v.shape[-1]))
         lse = q.new_empty((b, h, tq), dtype=acc)
-        for (q0, q1), (k0, k1), causal, mask in self._masks(call, q.device):
+        for (q0, q1), (k0, k1), causal, mask in sequences:
             o, l = self._attend(_bhsd(q[q0:q1]), _bhsd(k[k0:k1]), _bhsd(v[k0:k1]), causal=causal, mask=mask,
                                 scale=scale)
             _bhsd(out[q0:q1]).copy_(o)
             lse[:, :, q0:q1] = l
+            del o, l  # copied: not held while the next sequence runs
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, call: KernelCall, *, scale):
+        sequences = list(self._masks(call, q.device))
+        if _whole(sequences, q.shape[0], k.shape[0]):  # one sequence, every row: no copies of its gradients
+            (_, _, causal, mask), = sequences
+            grads = self._attend_backward(_bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse,
+                                          causal=causal, mask=mask, scale=scale)
+            return tuple(g.permute(2, 0, 1, 3) for g in grads)
         dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for (q0, q1), (k0, k1), causal, mask in self._masks(call, q.device):
+        for (q0, q1), (k0, k1), causal, mask in sequences:
             gq, gk, gv = self._attend_backward(
                 _bhsd(dout[q0:q1]), _bhsd(q[q0:q1]), _bhsd(k[k0:k1]), _bhsd(v[k0:k1]), _bhsd(out[q0:q1]),
                 lse[:, :, q0:q1], causal=causal, mask=mask, scale=scale)
             _bhsd(dq[q0:q1]).copy_(gq)
             _bhsd(dk[k0:k1]).copy_(gk)
             _bhsd(dv[k0:k1]).copy_(gv)
+            del gq, gk, gv  # copied: not held while the next sequence runs
         return dq, dk, dv
+
+    def backward_into(self, grads, dout, q, k, v, out, lse, call: KernelCall, *, scale):
+        """:meth:`backward`, each sequence's gradients added straight into ``grads = (dq, dk, dv)``
+        (accumulators of the call's rows, any dtype): no whole-call gradients beside them."""
+        for (q0, q1), (k0, k1), causal, mask in self._masks(call, q.device):
+            parts = self._attend_backward(
+                _bhsd(dout[q0:q1]), _bhsd(q[q0:q1]), _bhsd(k[k0:k1]), _bhsd(v[k0:k1]), _bhsd(out[q0:q1]),
+                lse[:, :, q0:q1], causal=causal, mask=mask, scale=scale)
+            for acc, part, (a, b) in zip(grads, parts, ((q0, q1), (k0, k1), (k0, k1))):
+                _bhsd(acc[a:b]).add_(part)
+            del parts  # added: not held while the next sequence runs
+
+
+def _whole(sequences, tq: int, tk: int) -> bool:
+    """Whether a call is one sequence over all its ``tq`` query and ``tk`` key rows."""
+    return len(sequences) == 1 and sequences[0][0] == (0, tq) and sequences[0][1] == (0, tk)
 
 
 def fold_batch(x: torch.Tensor) -> torch.Tensor:

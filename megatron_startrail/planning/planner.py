@@ -35,15 +35,14 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
-from ..accounting import (AttentionShape, backward_p2p_parts, choose_backward_rotation, kept_for_backward_bytes,
-                         startrail_rank_elements)
+from ..accounting import AttentionShape, backward_p2p_parts, choose_backward_rotation, startrail_rank_elements
 from ..accounting import halo_rows
 from ..halo import MAX_HALO_SHARE
 from ..layout import normalize_window
 from ..topology import StarTrailTopology, valid_team_sizes
 from ..transfer import sub_ring_lanes
 from .cluster import DEFAULT_CLUSTER, PRESETS, ClusterSpec, preset
-from .memory_model import activation_peak_bytes
+from .memory_model import activation_peak_bytes, kept_per_layer_bytes
 
 BACKWARD_FLOPS_RATIO = 2.5
 
@@ -309,8 +308,8 @@ def _schedule_layer(cluster: ClusterSpec, work: Workload, cp_size: int, team_siz
     total = _with_pieces(total, cluster, c, g, init_fwd[0][0], reverse[0], compute_fwd / g, compute_bwd / g,
                          regather_in_backward, rotation)
     compute = compute_fwd + compute_bwd
-    kept = work.layers * kept_for_backward_bytes(shape, ulysses_size=u, team_size=c,
-                                                 regather_in_backward=regather_in_backward, rotation=rotation)
+    kept = work.layers * kept_per_layer_bytes(shape, ulysses_size=u, team_size=c,
+                                              regather_in_backward=regather_in_backward, rotation=rotation)
     peak = activation_peak_bytes(shape, layers=work.layers, cp_size=cp_size, team_size=c, ulysses_size=u,
                                  regather_in_backward=regather_in_backward, rotation=rotation)
     return Prediction(u, c, transfer, total, compute, max(0.0, total - compute), sum(b for _, b in phases),

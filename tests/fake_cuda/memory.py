@@ -3,9 +3,12 @@
 FakeTensors allocate nothing, but each one's storage reports the bytes it would hold on the
 device (``untyped_storage().nbytes()``). :class:`LiveStorages` counts every storage an op
 creates while the mode is on, once, until the storage dies: the live bytes a caching allocator
-would have handed out, without its rounding, fragmentation or a kernel's workspace. A view or an
+would have handed out, without its rounding or fragmentation. A view or an
 in-place result shares a storage it was given: nothing new (so a view of the caller's q, made
-before, is not counted). torch keeps one Python object per storage while any tensor uses it,
+before, is not counted). A fused attention op's workspace -- what the kernel allocates for
+itself and frees before it returns (the meta kernels allocate none) -- is charged for the op's
+duration, beside its outputs: :func:`workspace_bytes`, the memory model's own figures
+(``megatron_startrail/planning/workspace.py``) for the op's real call shape. torch keeps one Python object per storage while any tensor uses it,
 so a weak reference to it dies with the last tensor (autograd's saved tensors, a pending P2P's
 buffer and the like hold it as long as they should).
 """
@@ -16,6 +19,37 @@ import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from megatron_startrail.planning.workspace import KernelCallShape, backward_workspace_bytes, forward_workspace_bytes
+
+_aten = torch.ops.aten
+# The fused attention ops: (kernel, backward?). Query / key as the ops take them: flash folds
+# the batch into the rows, [total, h, d] (or [b, s, h, d]); cuDNN and efficient take [b, h, s, d].
+_ATTENTION_OPS = {
+    _aten._flash_attention_forward.default: ("torch_cuda_flash", False),
+    _aten._flash_attention_backward.default: ("torch_cuda_flash", True),
+    _aten._scaled_dot_product_efficient_attention.default: ("torch_cuda_efficient", False),
+    _aten._scaled_dot_product_efficient_attention_backward.default: ("torch_cuda_efficient", True),
+    _aten._scaled_dot_product_cudnn_attention.default: ("torch_cuda_cudnn", False),
+    _aten._scaled_dot_product_cudnn_attention_backward.default: ("torch_cuda_cudnn", True),
+}
+
+
+def workspace_bytes(func, args) -> int:
+    """The workspace of one call of a fused attention op (0 for any other op)."""
+    if func not in _ATTENTION_OPS:
+        return 0
+    kernel, backward = _ATTENTION_OPS[func]
+    q, k = args[1:3] if backward else args[0:2]
+    if kernel == "torch_cuda_flash":  # [.., rows, h, d]; the runs: cum_seq_q's entries - 1, else the batch
+        cum = args[6] if backward else args[3]
+        heads, kv_heads, sequences = q.shape[-2], k.shape[-2], (cum.numel() - 1 if cum is not None else
+                                                                 (q.shape[0] if q.dim() == 4 else 1))
+    else:  # [b, h, s, d]
+        heads, kv_heads, sequences = q.shape[1], k.shape[1], q.shape[0]
+    call = KernelCallShape(q.numel() // (heads * q.shape[-1]), k.numel() // (kv_heads * k.shape[-1]), heads, kv_heads,
+                           q.shape[-1], q.element_size(), sequences)
+    return (backward_workspace_bytes if backward else forward_workspace_bytes)(kernel, call)
 
 
 class LiveStorages(TorchDispatchMode):
@@ -46,6 +80,8 @@ class LiveStorages(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in given and (
                     self.device_type is None or t.device.type == self.device_type):
                 self._add(t.untyped_storage(), func)
+        if (workspace := workspace_bytes(func, args)) > 0:  # live for the op's duration, beside its outputs
+            self._transient(workspace, func)
         return out
 
     def _add(self, storage, func) -> None:
@@ -62,6 +98,13 @@ class LiveStorages(TorchDispatchMode):
             self.peaks[self.phase] = self.live
             if self.explain:
                 self.at_peak[self.phase] = [(w, n) for _, n, w in self._storages.values()]
+
+    def _transient(self, nbytes: int, func) -> None:
+        if self.live + nbytes > self.peaks.get(self.phase, -1):
+            self.peaks[self.phase] = self.live + nbytes
+            if self.explain:
+                self.at_peak[self.phase] = [(w, n) for _, n, w in self._storages.values()] + [
+                    (f"workspace of {func}", nbytes)]
 
     def _remove(self, key: int) -> None:
         self.live -= self._storages.pop(key)[1]
