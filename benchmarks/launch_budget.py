@@ -120,7 +120,8 @@ def kernel_calls_count_once(counts: Counts, kernel_classes):
     """Inside: every ``forward`` / ``backward`` of these kernel classes counts as one launch."""
     saved = []
     for cls in kernel_classes:
-        for method in ("forward", "backward"):
+        # backward_into: a per-sequence kernel's backward that adds into the accumulators (blocks.backward_step)
+        for method in [m for m in ("forward", "backward", "backward_into") if hasattr(cls, m)]:
             original = getattr(cls, method)
             saved.append((cls, method, original))
 
