@@ -16,6 +16,8 @@ batch=b)``), and :func:`unfold_lse` brings their lse ``[h, b*T]`` back to ``[b, 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..layout import KernelCall
@@ -42,12 +44,45 @@ def _bhsd(x: torch.Tensor) -> torch.Tensor:
     return x.permute(1, 2, 0, 3)
 
 
-class PerSequenceKernel:
-    """A call as a loop over its sequences (inside the kernel: the schedule makes one call).
+def sequences_in_batch(x: torch.Tensor, count: int) -> torch.Tensor:
+    """Rows ``[count * s, b, h, d]`` of ``count`` sequences of ``s`` rows each -> ``[count * b, h, s, d]``,
+    sequence-major samples (sequence i, sample j at ``i * b + j``), each one ``[s, h, d]`` run of
+    rows as in storage. A view when ``count == 1`` or ``b == 1``; else one copy."""
+    if count == 1:
+        return _bhsd(x)
+    s, b = x.shape[0] // count, x.shape[1]
+    return x.unflatten(0, (count, s)).transpose(1, 2).reshape(count * b, s, *x.shape[2:]).transpose(1, 2)
 
-    Subclasses give ``_attend(q, k, v, *, causal, mask, scale) -> (out, lse)`` and
+
+def _into_rows(dst: torch.Tensor, src: torch.Tensor, count: int) -> None:
+    """The inverse of :func:`sequences_in_batch`: ``src [count * b, h, s, d]`` written into rows
+    ``dst [count * s, b, h, d]``."""
+    s, b = dst.shape[0] // count, dst.shape[1]
+    dst.unflatten(0, (count, s)).copy_(src.transpose(1, 2).unflatten(0, (count, b)).transpose(1, 2))
+
+
+@functools.lru_cache(maxsize=4096)
+def sequence_groups(call: KernelCall) -> tuple[tuple[tuple[int, int], tuple[int, int], int], ...]:
+    """``((q0, q1), (k0, k1), count)`` per kernel launch: the whole call at once when its sequences
+    all have one shape (a dense call: one sequence, or equal ones), else one launch per sequence.
+    Once per call (calls are reused every step)."""
+    cq, ck = call.cu_seqlens_q, call.cu_seqlens_k
+    n = len(cq) - 1
+    if n > 1 and len({(cq[i + 1] - cq[i], ck[i + 1] - ck[i]) for i in range(n)}) == 1:
+        return (((0, cq[-1]), (0, ck[-1]), n),)
+    return tuple(((cq[i], cq[i + 1]), (ck[i], ck[i + 1]), 1) for i in range(n))
+
+
+class PerSequenceKernel:
+    """A call as launches of equal-shaped sequences (inside the kernel: the schedule makes one call).
+
+    A dense call (:func:`sequence_groups`: one sequence, or sequences of one shape) is one
+    launch with the sequences folded into the batch dim, so no Python loop runs per
+    sequence; packed documents of different lengths take one launch each. Subclasses give
+    ``_attend(q, k, v, *, causal, mask, scale) -> (out, lse)`` and
     ``_attend_backward(dout, q, k, v, out, lse, *, causal, mask, scale) -> (dq, dk, dv)`` on
-    ``[b, h, s, d]`` views: ``causal`` only for square sequences, ``mask`` bool ``[sq, sk]``."""
+    ``[B, h, s, d]`` views (:func:`sequences_in_batch`, B = sequences x batch): ``causal`` only
+    for square sequences, ``mask`` bool ``[sq, sk]``."""
 
     name = "per_sequence"
 
@@ -58,35 +93,38 @@ class PerSequenceKernel:
         raise NotImplementedError
 
     @staticmethod
-    def _masks(call: KernelCall, device):
-        cq, ck = call.cu_seqlens_q, call.cu_seqlens_k
-        for i in range(len(cq) - 1):
-            sq, sk = cq[i + 1] - cq[i], ck[i + 1] - ck[i]
+    def _launches(call: KernelCall, device):
+        for (q0, q1), (k0, k1), count in sequence_groups(getattr(call, "call", call)):
+            sq, sk = (q1 - q0) // count, (k1 - k0) // count
             causal = call.causal and sq == sk  # top-left and bottom-right agree
             mask = None if causal else visible(sq, sk, call.window, device)
-            yield (cq[i], cq[i + 1]), (ck[i], ck[i + 1]), causal, mask
+            yield (q0, q1), (k0, k1), count, causal, mask
 
     def forward(self, q, k, v, call: KernelCall, *, scale):
         tq, b, h, _ = q.shape
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         out = q.new_empty((tq, b, h, v.shape[-1]))
         lse = q.new_empty((b, h, tq), dtype=acc)
-        for (q0, q1), (k0, k1), causal, mask in self._masks(call, q.device):
-            o, l = self._attend(_bhsd(q[q0:q1]), _bhsd(k[k0:k1]), _bhsd(v[k0:k1]), causal=causal, mask=mask,
-                                scale=scale)
-            _bhsd(out[q0:q1]).copy_(o)
-            lse[:, :, q0:q1] = l
+        for (q0, q1), (k0, k1), n, causal, mask in self._launches(call, q.device):
+            o, l = self._attend(sequences_in_batch(q[q0:q1], n), sequences_in_batch(k[k0:k1], n),
+                                sequences_in_batch(v[k0:k1], n), causal=causal, mask=mask, scale=scale)
+            _into_rows(out[q0:q1], o, n)
+            # l [n * b, h, s] -> lse[:, :, q0:q1] as [b, h, n, s]
+            lse[:, :, q0:q1].unflatten(2, (n, -1)).copy_(l.unflatten(0, (n, b)).permute(1, 2, 0, 3))
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, call: KernelCall, *, scale):
         dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for (q0, q1), (k0, k1), causal, mask in self._masks(call, q.device):
+        b = q.shape[1]
+        for (q0, q1), (k0, k1), n, causal, mask in self._launches(call, q.device):
+            rows_lse = lse[:, :, q0:q1].unflatten(2, (n, -1)).permute(2, 0, 1, 3).reshape(n * b, lse.shape[1], -1)
             gq, gk, gv = self._attend_backward(
-                _bhsd(dout[q0:q1]), _bhsd(q[q0:q1]), _bhsd(k[k0:k1]), _bhsd(v[k0:k1]), _bhsd(out[q0:q1]),
-                lse[:, :, q0:q1], causal=causal, mask=mask, scale=scale)
-            _bhsd(dq[q0:q1]).copy_(gq)
-            _bhsd(dk[k0:k1]).copy_(gk)
-            _bhsd(dv[k0:k1]).copy_(gv)
+                *(sequences_in_batch(x[q0:q1], n) for x in (dout, q)), sequences_in_batch(k[k0:k1], n),
+                sequences_in_batch(v[k0:k1], n), sequences_in_batch(out[q0:q1], n), rows_lse, causal=causal,
+                mask=mask, scale=scale)
+            _into_rows(dq[q0:q1], gq, n)
+            _into_rows(dk[k0:k1], gk, n)
+            _into_rows(dv[k0:k1], gv, n)
         return dq, dk, dv
 
 
