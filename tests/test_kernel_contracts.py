@@ -166,3 +166,29 @@ def test_a_call_that_does_not_rise_or_mismatches_heads_is_refused(monkeypatch):
         with pytest.raises(ValueError, match="need one head count that divides q's 2"):
             kernel.forward(t, torch.randn(10, 1, 3, 16).to(device), torch.randn(10, 1, 3, 16).to(device), call,
                            scale=0.1)
+
+
+# --- folding equal sequences into the batch is exact (the math, on the CPU) ----------------------
+
+@pytest.mark.parametrize("window", [(-1, 0), (-1, -1), (5, 0), (0, -1)], ids=str)
+@pytest.mark.parametrize("lengths", [[(12, 12)] * 3, [(9, 16)] * 2, [(10, 10)]], ids=["3 square", "2 non-square", "1"])
+def test_folded_sequences_are_exact(monkeypatch, lengths, window):
+    # The CPU kernels and the CUDA adapters on float64 emulations of their ops, batch 2, GQA, MLA
+    # dims: a dense call in one launch gives the float64 reference call's
+    # out, lse and gradients (sequence by sequence, autograd, nothing of the kernels).
+    from megatron_startrail.kernels import torch_cuda
+    from tests.test_kernel_selection import _EmulatedAtenOps
+    from tests.test_kernels_and_merge import float64_call
+
+    monkeypatch.setattr(torch_cuda, "_aten", _EmulatedAtenOps())
+    gen = torch.Generator().manual_seed(7)
+    call = KernelCall.back_to_back(lengths, window)
+    tq, tk, b, h, kvh = call.cu_seqlens_q[-1], call.cu_seqlens_k[-1], 2, 4, 2
+    q, k, v, dout = (torch.randn(shape, generator=gen, dtype=torch.float64)
+                     for shape in [(tq, b, h, 24), (tk, b, kvh, 24), (tk, b, kvh, 16), (tq, b, h, 16)])
+    want = float64_call(q, k, v, dout, call, 0.3)
+    for kernel in [kernels.make_kernel("reference"), kernels.make_kernel("torch_cpu_flash"), *CUDA_ADAPTERS]:
+        out, lse = kernel.forward(q, k, v, call, scale=0.3)
+        grads = kernel.backward(dout, q, k, v, out, lse, call, scale=0.3)
+        for got, ref in zip((out, lse, *grads), want):
+            assert got.shape == ref.shape and torch.allclose(got, ref, rtol=0, atol=1e-12), kernel.name

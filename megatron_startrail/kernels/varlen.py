@@ -146,5 +146,8 @@ def unfold_lse(lse: torch.Tensor, batch: int) -> torch.Tensor:
 
 
 def fold_lse(lse: torch.Tensor) -> torch.Tensor:
-    """``[b, h, T]`` -> contiguous ``[h, b*T]``, what the variable-length backward takes."""
-    return lse.transpose(0, 1).reshape(lse.shape[1], -1)
+    """``[b, h, T]`` -> contiguous ``[h, b*T]``, what the variable-length backward takes: FlashAttention-2's
+    ``mha_varlen_bwd`` reads the lse through its data pointer as dense ``[h, total_q]`` and checks
+    neither shape nor strides. The schedule's lse is a view of ``[T, b, h]`` storage, which a
+    reshape alone leaves strided at batch 1: copied here."""
+    return lse.transpose(0, 1).reshape(lse.shape[1], -1).contiguous()

@@ -29,7 +29,7 @@ One checker per op (``CONTRACTS``):
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 aten = torch.ops.aten
 HALF = (torch.float16, torch.bfloat16)
@@ -66,6 +66,14 @@ def _same_layout(a, b) -> bool:
     return a.shape == b.shape and all(x == y for n, x, y in zip(a.shape, a.stride(), b.stride()) if n > 1)
 
 
+def _out_and_grad(op, out, dout, shape, dtype) -> None:
+    """out and grad_out of ``shape`` and ``dtype``, laid out alike."""
+    for name, t in (("out", out), ("grad_out", dout)):
+        _need(tuple(t.shape) == tuple(shape) and t.dtype == dtype, op, f"{name} {list(t.shape)} {t.dtype} must be "
+              f"{list(shape)} {dtype}")
+    _need(_same_layout(dout, out), op, f"grad_out strides {dout.stride()} must be out's {out.stride()}")
+
+
 def _dense_last(op, **tensors) -> None:
     for name, t in tensors.items():
         _need(t.stride(-1) == 1, op, f"{name} {list(t.shape)} needs a dense last dim, strides {t.stride()}")
@@ -92,7 +100,6 @@ def _flash_common(op, a, known) -> None:
         values = known(cu)
         if values is None:
             continue
-        values = values.tolist()
         _need(values[0] == 0 and all(y >= x for x, y in zip(values, values[1:])), op,
               f"cu_seqlens_{side} must rise from 0")
         _need(values[-1] <= rows, op, f"cu_seqlens_{side} ends at row {values[-1]}, the tensor holds {rows} rows")
@@ -168,15 +175,12 @@ def efficient_backward(a, known) -> None:
     q, v, out, dout, lse = a["query"], a["value"], a["out"], a["grad_out_"], a["logsumexp"]
     b, h, sq, _ = q.shape
     dv = v.shape[-1]
-    for name, t in (("out", out), ("grad_out", dout)):
-        _need(tuple(t.shape) == (b, h, sq, dv) and t.dtype == q.dtype, op, f"{name} {list(t.shape)} {t.dtype} "
-              f"must be [{b}, {h}, {sq}, {dv}] {q.dtype}")
-    _dense_last(op, out=out)
     if q.dtype in HALF and sq > 1:
         _need(out.stride(2) == h * dv, op, f"out {list(out.shape)} strides {out.stride()}: the half-precision "
               f"kernel reads out's rows {h * dv} (heads x head dim) apart, whatever its row stride (here "
               f"{out.stride(2)}): rowsum(dO * O) and so dQ, dK come out wrong")
-    _need(_same_layout(dout, out), op, f"grad_out strides {dout.stride()} must be out's {out.stride()}")
+    _out_and_grad(op, out, dout, (b, h, sq, dv), q.dtype)
+    _dense_last(op, out=out)
     _need(lse.dtype == torch.float32 and tuple(lse.shape) == (b, h, _round_up(sq, 32)) and lse.is_contiguous(),
           op, f"logsumexp {list(lse.shape)} {lse.dtype}: contiguous [{b}, {h}, {_round_up(sq, 32)}] float32, as "
           "the forward returned it")
@@ -210,9 +214,7 @@ def cudnn_backward(a, known) -> None:
     op = "aten._scaled_dot_product_cudnn_attention_backward"
     _cudnn_common(op, a)
     q, k, out, dout, lse = a["query"], a["key"], a["out"], a["grad_out"], a["logsumexp"]
-    for name, t in (("out", out), ("grad_out", dout)):
-        _need(t.shape == q.shape and t.dtype == q.dtype, op, f"{name} {list(t.shape)} must be q's {list(q.shape)}")
-    _need(_same_layout(dout, out), op, f"grad_out strides {dout.stride()} must be out's {out.stride()}")
+    _out_and_grad(op, out, dout, q.shape, q.dtype)
     _need(lse.dtype == torch.float32 and tuple(lse.shape) == (*q.shape[:3], 1), op, f"logsumexp "
           f"{list(lse.shape)}: [{', '.join(map(str, q.shape[:3]))}, 1] float32, as the forward returned it")
     _need((a["max_q"], a["max_k"]) == (q.shape[2], k.shape[2]), op, f"max_q, max_k {a['max_q']}, {a['max_k']} "
@@ -231,18 +233,29 @@ CONTRACTS = {
 
 class OpContracts(TorchDispatchMode):
     """Checks every op of :data:`CONTRACTS` before it runs; ``known(tensor)`` gives a device integer
-    tensor's values where the rehearsal follows them (None: unknown, the value rules are skipped).
+    tensor's values as a CPU tensor where the rehearsal follows them (None: unknown, the value
+    rules are skipped).
     ``checked`` counts the checks per op."""
 
-    def __init__(self, known=lambda t: None) -> None:
+    def __init__(self, known=lambda t: None, checked: dict | None = None) -> None:
         super().__init__()
         self.known = known
-        self.checked: dict[str, int] = {}
+        self.checked: dict[str, int] = {} if checked is None else checked
+
+    def _values(self, t) -> list | None:
+        with _disable_current_modes():  # the known values are real CPU tensors: read outside the modes
+            known = self.known(t)
+            return None if known is None else known.tolist()
+
+    def check(self, func, args, kwargs) -> None:
+        """Checks one op's arguments (nothing for an op without a contract); for a dispatch mode of
+        one's own to call (the rehearsal's :class:`~.rank.DeviceRules`: no second mode per op)."""
+        contract = CONTRACTS.get(func)
+        if contract is not None:
+            contract(_named(func, args, kwargs), self._values)
+            self.checked[str(func)] = self.checked.get(str(func), 0) + 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        contract = CONTRACTS.get(func)
-        if contract is not None:
-            contract(_named(func, args, kwargs), self.known)
-            self.checked[str(func)] = self.checked.get(str(func), 0) + 1
+        self.check(func, args, kwargs)
         return func(*args, **kwargs)
