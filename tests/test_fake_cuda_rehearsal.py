@@ -3,8 +3,11 @@
 One child process, started with the shim preloaded, runs the attention's matrix
 (:mod:`tests.fake_cuda.matrix`: P 8/16 x C 1/2/4 x dense / sample / document x rotation q/kv x
 regathering, and the kernels torch_cuda_flash, torch_cuda_efficient and flash-attn 2.8.3 through
-an interface double that checks its C++ preconditions); the tests read what it recorded. Where
-no C++ compiler (or no torch headers) is at hand, they skip and say which.
+an interface double that checks its C++ preconditions), with the torch ops checked against their
+contracts (:mod:`tests.fake_cuda.aten_doubles`); a second runs the CUDA adapters call by call
+over batch 1/2, fused-QKV views, GQA, MLA and the masks (:mod:`tests.fake_cuda.kernel_matrix`).
+The tests read what they recorded. Where no C++ compiler (or no torch headers) is at hand,
+they skip and say which.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import json
 import pytest
 
 from tests.fake_cuda.build import build_shim, why_not_buildable
+from tests.fake_cuda.kernel_matrix import ADAPTERS
 from tests.fake_cuda.matrix import KERNEL_OPS, cases
 from tests.fake_cuda.run import run_fake_cuda
 
@@ -53,6 +57,35 @@ def test_nccl_transport_and_the_expected_kernel(matrix):
     assert not failing(matrix, lambda r: r["transports"] != ["nccl"] and "no communication")
     assert not failing(matrix, lambda r: r["kernel_ops"] != sorted(KERNEL_OPS[r["case"]["kernel"]]) and
                        f"kernel ops {r['kernel_ops']}")
+
+
+def test_the_torch_ops_met_their_contracts(matrix):
+    # A violation stops the child (the matrix fixture fails); here: the contracts did run.
+    assert not failing(matrix, lambda r: r["case"]["kernel"].startswith("torch_cuda") and
+                       r["contract_checks"] != sorted(KERNEL_OPS[r["case"]["kernel"]]) and r["contract_checks"])
+
+
+@pytest.fixture(scope="module")
+def kernel_matrix(shim, tmp_path_factory):
+    return run_child(shim, tmp_path_factory, "tests.fake_cuda.kernel_matrix")
+
+
+def test_cuda_adapters_meet_the_op_contracts_call_by_call(kernel_matrix):
+    assert [c for c in kernel_matrix["cases"] if c["violation"]] == []
+    assert {c["kernel"] for c in kernel_matrix["cases"]} == set(ADAPTERS) and len(kernel_matrix["cases"]) == 22
+    # every op's contract ran: 6 calls each for flash, 7 launches for efficient (packed documents: 2), 4 for cuDNN
+    assert kernel_matrix["checked"] == {f"aten.{op}.default": n for op, n in [
+        ("_flash_attention_forward", 6), ("_flash_attention_backward", 6),
+        ("_scaled_dot_product_efficient_attention", 7), ("_scaled_dot_product_efficient_attention_backward", 7),
+        ("_scaled_dot_product_cudnn_attention", 4), ("_scaled_dot_product_cudnn_attention_backward", 4)]}
+    assert kernel_matrix["flash_attn_calls"] == {"forward": 6, "backward": 6}
+
+
+def test_the_kits_timing_call_is_refused_by_the_adapter_and_the_op_contract(kernel_matrix):
+    assert kernel_matrix["kit"] == {
+        "adapter": "torch_cuda_flash: call has 8192 query rows but q holds 1 rows ([1, 16, 8192, 128]) (call of 1 "
+                   "sequences, window (-1, 0)); refused before launch",
+        "op": "aten._flash_attention_forward: cu_seqlens_q ends at row 131072, the tensor holds 16 rows"}
 
 
 def test_no_op_on_mixed_devices(matrix):

@@ -20,6 +20,7 @@ import inspect
 
 import torch
 
+from .call_check import CheckedKernel
 from .padding import EqualHeadDimsKernel
 from .varlen import fold_batch, fold_lse, unfold_batch, unfold_lse
 
@@ -101,7 +102,7 @@ class _FlashAttnVarlen:
         return unfold_batch(dq, b), unfold_batch(dk, b), unfold_batch(dv, b)
 
 
-class FlashAttnKernel(EqualHeadDimsKernel, _FlashAttnVarlen):
+class FlashAttnKernel(CheckedKernel, EqualHeadDimsKernel, _FlashAttnVarlen):
     """flash-attn 2.x (``flash_attn.flash_attn_interface``)."""
 
     name = "flash_attn"
@@ -114,7 +115,7 @@ class FlashAttnKernel(EqualHeadDimsKernel, _FlashAttnVarlen):
         self._interface = flash_attn_interface
 
 
-class FlashAttn3Kernel(EqualHeadDimsKernel, _FlashAttnVarlen):
+class FlashAttn3Kernel(CheckedKernel, EqualHeadDimsKernel, _FlashAttnVarlen):
     """flash-attn 3.x (the top-level ``flash_attn_interface`` module of the hopper/ build)."""
 
     name = "flash_attn_3"

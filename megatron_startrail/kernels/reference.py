@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from .call_check import CheckedKernel
 from .varlen import PerSequenceKernel
 
 
@@ -45,7 +46,7 @@ def _masked(scores: torch.Tensor, causal: bool, mask: torch.Tensor | None) -> to
     return scores
 
 
-class ReferenceKernel(PerSequenceKernel):
+class ReferenceKernel(CheckedKernel, PerSequenceKernel):
     name = "reference"
 
     # One sequence on [b, h, s, d]; ``mask`` (bool [sq, sk], True = visible) from the call's window.

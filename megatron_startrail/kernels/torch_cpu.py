@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .call_check import CheckedKernel
 from .padding import EqualHeadDimsKernel
 from .varlen import PerSequenceKernel
 
@@ -25,7 +26,7 @@ def additive(mask: torch.Tensor | None, dtype) -> torch.Tensor | None:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
-class TorchCPUFlashKernel(EqualHeadDimsKernel, PerSequenceKernel):
+class TorchCPUFlashKernel(CheckedKernel, EqualHeadDimsKernel, PerSequenceKernel):
     """flash-attn's variable-length semantics on CPU: the op per sequence, windows and
     bottom-right causal sequences through an explicit mask. A row with no visible key
     comes back from the op with lse 0; it is set to -inf (out is 0 already)."""

@@ -6,14 +6,17 @@ window (``window_size_left`` / ``right``) and GQA natively, ``[total, h, d]`` wi
 folded into the rows, lse ``[h, total]``. One head dim for q, k and v (MLA pads).
 
 The memory-efficient and cuDNN ops take no variable-length call with flash-attn's window,
-so they run the call's sequences one after another (:class:`PerSequenceKernel`: several
-launches per call; ``auto`` picks them only where flash cannot run: fp32, head dims over
-256), with a window or a bottom-right causal sequence as an additive mask, and K/V heads
-expanded for GQA. Shapes as the ops return them (checked on the meta device,
-tests/test_kernel_selection.py)::
+so they run :class:`PerSequenceKernel`'s launches: a dense call (one sequence, or equal ones)
+in one launch with the sequences folded into the batch, packed documents of different
+lengths one launch each; a window or a bottom-right causal sequence as an additive mask,
+and K/V heads expanded for GQA. Shapes as the ops return them (checked on the meta device,
+tests/test_kernel_selection.py, and against the ops' contracts in tests/fake_cuda/aten_doubles.py)::
 
-    efficient  out [b, h, sq, dv]   lse [b, h, ceil(sq/32)*32]      dv may differ from q/k's
-    cudnn      out [b, h, sq, d]    lse [b, h, sq, 1]               q, k, v one head dim
+    efficient  out [B, h, sq, dv]   lse [B, h, ceil(sq/32)*32]      dv may differ from q/k's
+    cudnn      out [B, h, sq, d]    lse [B, h, sq, 1]               q, k, v one head dim
+
+Every adapter checks its call against its tensors on the host before it launches
+(:class:`~.call_check.CheckedKernel`).
 
 Dropout is never used (p = 0), so the ops' RNG outputs are not needed by their backward:
 zero placeholders stand in.
@@ -22,13 +25,16 @@ zero placeholders stand in.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
+from .call_check import CheckedKernel
 from .padding import EqualHeadDimsKernel, cut_head_dim, pad_head_dim, pad_lse_rows, round_up, trim_lse
 from .reference import expand_kv_heads, sum_kv_head_groups
 from .torch_cpu import additive
 from .varlen import PerSequenceKernel, fold_batch, fold_lse, unfold_batch, unfold_lse
 
 _aten = torch.ops.aten
+BIAS_KEY_ALIGN = 16  # SDPA's preprocess_mask pads the bias's key dim to this for the memory-efficient op
 
 
 def _no_rng(device) -> torch.Tensor:
@@ -36,12 +42,33 @@ def _no_rng(device) -> torch.Tensor:
     return torch.zeros((), dtype=torch.int64, device=device)
 
 
-def _bias(mask, q):
-    """A bool mask ``[sq, sk]`` as the additive ``[b, h, sq, sk]`` bias the ops take (a view)."""
+def _bias(mask, q, key_align: int = 1):
+    """A bool mask ``[sq, sk]`` as the additive ``[B, h, sq, sk]`` bias the ops take (a view). With
+    ``key_align``, the key dim is padded to a multiple of it before the expand and sliced back
+    (what SDPA's ``preprocess_mask`` does), so the rows start aligned: strides
+    ``(0, 0, round_up(sk, key_align), 1)``; the padded columns are never read."""
     if mask is None:
         return None
     b, h, sq, _ = q.shape
-    return additive(mask, q.dtype).expand(b, h, sq, mask.shape[1])
+    sk = mask.shape[1]
+    bias = additive(mask, q.dtype)
+    if sk % key_align:
+        bias = F.pad(bias, (0, round_up(sk, key_align) - sk))
+    return bias.expand(b, h, sq, bias.shape[1])[..., :sk]
+
+
+def _dense_bshd(x, head_dim: int):
+    """``x [B, h, s, d]`` (any strides) -> ``[B, h, s, head_dim]`` whose storage is dense ``[B, s, h,
+    head_dim]`` (head dim zero-padded): the layout torch's SDPA hands the memory-efficient op, the
+    only one its half-precision backward reads ``out`` correctly in (it takes out's row stride to
+    be ``h * dv``, ignoring the tensor's). No copy when ``x`` is already so (batch 1, dense rows)."""
+    return pad_head_dim(x.transpose(1, 2), head_dim).contiguous().transpose(1, 2)
+
+
+def _bshd_padded(x, head_dim: int):
+    """``x [B, h, s, d]`` with its head dim zero-padded in ``[B, s, h, d]`` order (the op honours
+    q/k/v strides, so no copy unless padding)."""
+    return pad_head_dim(x.transpose(1, 2), head_dim).transpose(1, 2)
 
 
 class _TorchFlashVarlen:
@@ -69,18 +96,27 @@ class _TorchFlashVarlen:
         return unfold_batch(dq, b), unfold_batch(dk, b), unfold_batch(dv, b)
 
 
-class TorchCUDAFlashKernel(EqualHeadDimsKernel, _TorchFlashVarlen):
+class TorchCUDAFlashKernel(CheckedKernel, EqualHeadDimsKernel, _TorchFlashVarlen):
     """``aten::_flash_attention_forward`` (PyTorch's bundled FlashAttention-2), one call at once."""
 
     name = "torch_cuda_flash"
     head_dim_multiple = 8
 
 
-class TorchCUDAEfficientKernel(PerSequenceKernel):
+class TorchCUDAEfficientKernel(CheckedKernel, PerSequenceKernel):
     """``aten::_scaled_dot_product_efficient_attention`` (xFormers' cutlass kernel): fp32 too,
     and a v head dim different from q/k's, so MLA needs no common dim here. Each head dim is
     padded to a multiple of 8 (16-byte rows for half, what the kernel's aligned variants and
-    PyTorch's own dispatch want), which is exact for the same reason as in padding.py."""
+    PyTorch's own dispatch want), which is exact for the same reason as in padding.py.
+
+    Layout (issue 49, measured on an H100): the op takes ``[B, h, s, d]`` views of ``[B, s, h, d]``
+    storage, as SDPA hands it. q, k, v keep their strides (the op reads them); out and dout are
+    made dense ``[B, s, h, dv]`` (:func:`_dense_bshd`): the half-precision backward computes
+    rowsum(dO * O) in the kernel with out's row stride taken as ``h * dv``, which the schedule's
+    sequence-major ``[T, b, h, dv]`` views break at batch > 1 (dQ, dK 0.2-2 relative off). The mask
+    bias's key dim is padded to :data:`BIAS_KEY_ALIGN` (the kernel wants its row stride a multiple
+    of 8 in half, 4 in fp32). GQA: the op wants one head count (it checks q, k, v heads equal),
+    so K/V heads are expanded."""
 
     name = "torch_cuda_efficient"
     head_dim_multiple = 8
@@ -88,31 +124,37 @@ class TorchCUDAEfficientKernel(PerSequenceKernel):
     def _dims(self, q, v):
         return round_up(q.shape[-1], self.head_dim_multiple), round_up(v.shape[-1], self.head_dim_multiple)
 
-    def _attend(self, q, k, v, *, causal, mask, scale):
+    def _inputs(self, q, k, v):
         h = q.shape[1]
         d_qk, d_v = self._dims(q, v)
+        return (_bshd_padded(q, d_qk), expand_kv_heads(_bshd_padded(k, d_qk), h),
+                expand_kv_heads(_bshd_padded(v, d_v), h))
+
+    def _attend(self, q, k, v, *, causal, mask, scale):
         out, lse, _, _ = _aten._scaled_dot_product_efficient_attention(
-            pad_head_dim(q, d_qk), expand_kv_heads(pad_head_dim(k, d_qk), h), expand_kv_heads(pad_head_dim(v, d_v), h),
-            _bias(mask, q), True, 0.0, causal, scale=scale,
-        )
+            *self._inputs(q, k, v), _bias(mask, q, BIAS_KEY_ALIGN), True, 0.0, causal, scale=scale)
         return cut_head_dim(out, v.shape[-1]), trim_lse(lse, q.shape[2])
 
     def _attend_backward(self, dout, q, k, v, out, lse, *, causal, mask, scale):
-        h, hkv = q.shape[1], k.shape[1]
-        d_qk, d_v = self._dims(q, v)
+        hkv = k.shape[1]
+        d_v = self._dims(q, v)[1]
         dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
-            pad_head_dim(dout, d_v), pad_head_dim(q, d_qk), expand_kv_heads(pad_head_dim(k, d_qk), h),
-            expand_kv_heads(pad_head_dim(v, d_v), h), _bias(mask, q), pad_head_dim(out, d_v), pad_lse_rows(lse),
-            _no_rng(q.device), _no_rng(q.device), 0.0, [True, True, True, False], causal, scale=scale,
+            _dense_bshd(dout, d_v), *self._inputs(q, k, v), _bias(mask, q, BIAS_KEY_ALIGN), _dense_bshd(out, d_v),
+            pad_lse_rows(lse), _no_rng(q.device), _no_rng(q.device), 0.0, [True, True, True, False], causal,
+            scale=scale,
         )
         dk, dv = sum_kv_head_groups(dk, hkv), sum_kv_head_groups(dv, hkv)
         return cut_head_dim(dq, q.shape[-1]), cut_head_dim(dk, k.shape[-1]), cut_head_dim(dv, v.shape[-1])
 
 
-class TorchCUDACudnnKernel(EqualHeadDimsKernel, PerSequenceKernel):
+class TorchCUDACudnnKernel(CheckedKernel, EqualHeadDimsKernel, PerSequenceKernel):
     """``aten::_scaled_dot_product_cudnn_attention`` (cuDNN's fused attention); lse comes
-    back as ``[b, h, sq, 1]``. Inputs are made contiguous: cuDNN's backward wants dO laid
-    out like out."""
+    back as ``[B, h, sq, 1]``. Inputs are made contiguous ``[B, h, s, d]`` (the layout the H100
+    passed every accuracy row with; cuDNN's backward wants dO laid out like out). A dense call
+    (one sequence, or equal ones) is one launch with the sequences folded into the batch
+    (:func:`~.varlen.sequence_groups`); packed documents of different lengths take one each
+    (torch 2.13's own ``varlen_attn`` keeps cuDNN's variable-length op off, and it takes no
+    window or GQA: flash serves them)."""
 
     name = "torch_cuda_cudnn"
     head_dim_multiple = 8

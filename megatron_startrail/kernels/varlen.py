@@ -16,6 +16,8 @@ batch=b)``), and :func:`unfold_lse` brings their lse ``[h, b*T]`` back to ``[b, 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..layout import KernelCall
@@ -42,12 +44,47 @@ def _bhsd(x: torch.Tensor) -> torch.Tensor:
     return x.permute(1, 2, 0, 3)
 
 
-class PerSequenceKernel:
-    """A call as a loop over its sequences (inside the kernel: the schedule makes one call).
+def sequences_in_batch(x: torch.Tensor, count: int) -> torch.Tensor:
+    """Rows ``[count * s, b, h, d]`` of ``count`` sequences of ``s`` rows each -> ``[count * b, h, s, d]``,
+    sequence-major samples (sequence i, sample j at ``i * b + j``), each one ``[s, h, d]`` run of
+    rows as in storage. A view when ``count == 1`` or ``b == 1``; else one copy."""
+    if count == 1:
+        return _bhsd(x)
+    s, b = x.shape[0] // count, x.shape[1]
+    return x.unflatten(0, (count, s)).transpose(1, 2).reshape(count * b, s, *x.shape[2:]).transpose(1, 2)
 
-    Subclasses give ``_attend(q, k, v, *, causal, mask, scale) -> (out, lse)`` and
+
+def _into_rows(dst: torch.Tensor, src: torch.Tensor, count: int, add: bool = False) -> None:
+    """The inverse of :func:`sequences_in_batch`: ``src [count * b, h, s, d]`` written (or, with
+    ``add``, added) into rows ``dst [count * s, b, h, d]``."""
+    s, b = dst.shape[0] // count, dst.shape[1]
+    rows = src.transpose(1, 2).unflatten(0, (count, b)).transpose(1, 2)
+    view = dst.unflatten(0, (count, s))
+    view.add_(rows) if add else view.copy_(rows)
+
+
+@functools.lru_cache(maxsize=4096)
+def sequence_groups(call: KernelCall) -> tuple[tuple[tuple[int, int], tuple[int, int], int], ...]:
+    """``((q0, q1), (k0, k1), count)`` per kernel launch: the whole call at once when its sequences
+    all have one shape (a dense call: one sequence, or equal ones), else one launch per sequence.
+    Once per call (calls are reused every step)."""
+    cq, ck = call.cu_seqlens_q, call.cu_seqlens_k
+    n = len(cq) - 1
+    if n > 1 and len({(cq[i + 1] - cq[i], ck[i + 1] - ck[i]) for i in range(n)}) == 1:
+        return (((0, cq[-1]), (0, ck[-1]), n),)
+    return tuple(((cq[i], cq[i + 1]), (ck[i], ck[i + 1]), 1) for i in range(n))
+
+
+class PerSequenceKernel:
+    """A call as launches of equal-shaped sequences (inside the kernel: the schedule makes one call).
+
+    A dense call (:func:`sequence_groups`: one sequence, or sequences of one shape) is one
+    launch with the sequences folded into the batch dim, so no Python loop runs per
+    sequence; packed documents of different lengths take one launch each. Subclasses give
+    ``_attend(q, k, v, *, causal, mask, scale) -> (out, lse)`` and
     ``_attend_backward(dout, q, k, v, out, lse, *, causal, mask, scale) -> (dq, dk, dv)`` on
-    ``[b, h, s, d]`` views: ``causal`` only for square sequences, ``mask`` bool ``[sq, sk]``."""
+    ``[B, h, s, d]`` views (:func:`sequences_in_batch`, B = sequences x batch): ``causal`` only
+    for square sequences, ``mask`` bool ``[sq, sk]``."""
 
     name = "per_sequence"
 
@@ -58,65 +95,79 @@ class PerSequenceKernel:
         raise NotImplementedError
 
     @staticmethod
-    def _masks(call: KernelCall, device):
-        cq, ck = call.cu_seqlens_q, call.cu_seqlens_k
-        for i in range(len(cq) - 1):
-            sq, sk = cq[i + 1] - cq[i], ck[i + 1] - ck[i]
+    def _launches(call: KernelCall, device):
+        for (q0, q1), (k0, k1), count in sequence_groups(getattr(call, "call", call)):
+            sq, sk = (q1 - q0) // count, (k1 - k0) // count
             causal = call.causal and sq == sk  # top-left and bottom-right agree
             mask = None if causal else visible(sq, sk, call.window, device)
-            yield (cq[i], cq[i + 1]), (ck[i], ck[i + 1]), causal, mask
+            yield (q0, q1), (k0, k1), count, causal, mask
+
+    @staticmethod
+    def _launch_inputs(x, rows, n):
+        # rows [a, b) of x [T, b, h, d] as the op's [n * b, h, s, d] (see sequences_in_batch)
+        return sequences_in_batch(x[rows[0]:rows[1]], n)
+
+    @staticmethod
+    def _launch_lse(lse, rows, n):
+        # lse [b, h, T] rows [a, b) -> [n * b, h, s], sequence-major like sequences_in_batch
+        b, h = lse.shape[:2]
+        return lse[:, :, rows[0]:rows[1]].unflatten(2, (n, -1)).permute(2, 0, 1, 3).reshape(n * b, h, -1)
 
     def forward(self, q, k, v, call: KernelCall, *, scale):
         tq, b, h, _ = q.shape
-        sequences = list(self._masks(call, q.device))
-        if _whole(sequences, tq, k.shape[0]):  # one sequence, every row: the op's result as it is
-            (_, _, causal, mask), = sequences
+        launches = list(self._launches(call, q.device))
+        if _whole(launches, tq, k.shape[0]):  # one sequence, every row: the op's result as it is (no copy)
+            (_, _, _, causal, mask), = launches
             o, lse = self._attend(_bhsd(q), _bhsd(k), _bhsd(v), causal=causal, mask=mask, scale=scale)
             return o.permute(2, 0, 1, 3), lse
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         out = q.new_empty((tq, b, h, v.shape[-1]))
         lse = q.new_empty((b, h, tq), dtype=acc)
-        for (q0, q1), (k0, k1), causal, mask in sequences:
-            o, l = self._attend(_bhsd(q[q0:q1]), _bhsd(k[k0:k1]), _bhsd(v[k0:k1]), causal=causal, mask=mask,
-                                scale=scale)
-            _bhsd(out[q0:q1]).copy_(o)
-            lse[:, :, q0:q1] = l
-            del o, l  # copied: not held while the next sequence runs
+        for rq, rk, n, causal, mask in launches:
+            o, l = self._attend(self._launch_inputs(q, rq, n), self._launch_inputs(k, rk, n),
+                                self._launch_inputs(v, rk, n), causal=causal, mask=mask, scale=scale)
+            _into_rows(out[rq[0]:rq[1]], o, n)
+            # l [n * b, h, s] -> lse[:, :, q0:q1] as [b, h, n, s]
+            lse[:, :, rq[0]:rq[1]].unflatten(2, (n, -1)).copy_(l.unflatten(0, (n, b)).permute(1, 2, 0, 3))
+            del o, l  # copied: not held while the next launch runs
         return out, lse
 
+    def _launch_backward(self, dout, q, k, v, out, lse, rq, rk, n, causal, mask, scale):
+        """One launch's (dq, dk, dv) as the op returns them, ``[n * b, h, s, d]``."""
+        return self._attend_backward(
+            self._launch_inputs(dout, rq, n), self._launch_inputs(q, rq, n), self._launch_inputs(k, rk, n),
+            self._launch_inputs(v, rk, n), self._launch_inputs(out, rq, n), self._launch_lse(lse, rq, n),
+            causal=causal, mask=mask, scale=scale)
+
     def backward(self, dout, q, k, v, out, lse, call: KernelCall, *, scale):
-        sequences = list(self._masks(call, q.device))
-        if _whole(sequences, q.shape[0], k.shape[0]):  # one sequence, every row: no copies of its gradients
-            (_, _, causal, mask), = sequences
+        launches = list(self._launches(call, q.device))
+        if _whole(launches, q.shape[0], k.shape[0]):  # one sequence, every row: no copies of its gradients
+            (_, _, _, causal, mask), = launches
             grads = self._attend_backward(_bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse,
                                           causal=causal, mask=mask, scale=scale)
             return tuple(g.permute(2, 0, 1, 3) for g in grads)
         dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for (q0, q1), (k0, k1), causal, mask in sequences:
-            gq, gk, gv = self._attend_backward(
-                _bhsd(dout[q0:q1]), _bhsd(q[q0:q1]), _bhsd(k[k0:k1]), _bhsd(v[k0:k1]), _bhsd(out[q0:q1]),
-                lse[:, :, q0:q1], causal=causal, mask=mask, scale=scale)
-            _bhsd(dq[q0:q1]).copy_(gq)
-            _bhsd(dk[k0:k1]).copy_(gk)
-            _bhsd(dv[k0:k1]).copy_(gv)
-            del gq, gk, gv  # copied: not held while the next sequence runs
+        for rq, rk, n, causal, mask in launches:
+            gq, gk, gv = self._launch_backward(dout, q, k, v, out, lse, rq, rk, n, causal, mask, scale)
+            _into_rows(dq[rq[0]:rq[1]], gq, n)
+            _into_rows(dk[rk[0]:rk[1]], gk, n)
+            _into_rows(dv[rk[0]:rk[1]], gv, n)
+            del gq, gk, gv  # copied: not held while the next launch runs
         return dq, dk, dv
 
     def backward_into(self, grads, dout, q, k, v, out, lse, call: KernelCall, *, scale):
-        """:meth:`backward`, each sequence's gradients added straight into ``grads = (dq, dk, dv)``
+        """:meth:`backward`, each launch's gradients added straight into ``grads = (dq, dk, dv)``
         (accumulators of the call's rows, any dtype): no whole-call gradients beside them."""
-        for (q0, q1), (k0, k1), causal, mask in self._masks(call, q.device):
-            parts = self._attend_backward(
-                _bhsd(dout[q0:q1]), _bhsd(q[q0:q1]), _bhsd(k[k0:k1]), _bhsd(v[k0:k1]), _bhsd(out[q0:q1]),
-                lse[:, :, q0:q1], causal=causal, mask=mask, scale=scale)
-            for acc, part, (a, b) in zip(grads, parts, ((q0, q1), (k0, k1), (k0, k1))):
-                _bhsd(acc[a:b]).add_(part)
-            del parts  # added: not held while the next sequence runs
+        for rq, rk, n, causal, mask in self._launches(call, q.device):
+            parts = self._launch_backward(dout, q, k, v, out, lse, rq, rk, n, causal, mask, scale)
+            for acc, part, (a, b) in zip(grads, parts, (rq, rk, rk)):
+                _into_rows(acc[a:b], part, n, add=True)
+            del parts  # added: not held while the next launch runs
 
 
-def _whole(sequences, tq: int, tk: int) -> bool:
-    """Whether a call is one sequence over all its ``tq`` query and ``tk`` key rows."""
-    return len(sequences) == 1 and sequences[0][0] == (0, tq) and sequences[0][1] == (0, tk)
+def _whole(launches, tq: int, tk: int) -> bool:
+    """Whether a call is one launch of one sequence over all its ``tq`` query and ``tk`` key rows."""
+    return len(launches) == 1 and launches[0][2] == 1 and launches[0][0] == (0, tq) and launches[0][1] == (0, tk)
 
 
 def fold_batch(x: torch.Tensor) -> torch.Tensor:
@@ -137,5 +188,8 @@ def unfold_lse(lse: torch.Tensor, batch: int) -> torch.Tensor:
 
 
 def fold_lse(lse: torch.Tensor) -> torch.Tensor:
-    """``[b, h, T]`` -> contiguous ``[h, b*T]``, what the variable-length backward takes."""
-    return lse.transpose(0, 1).reshape(lse.shape[1], -1)
+    """``[b, h, T]`` -> contiguous ``[h, b*T]``, what the variable-length backward takes: FlashAttention-2's
+    ``mha_varlen_bwd`` reads the lse through its data pointer as dense ``[h, total_q]`` and checks
+    neither shape nor strides. The schedule's lse is a view of ``[T, b, h]`` storage, which a
+    reshape alone leaves strided at batch 1: copied here."""
+    return lse.transpose(0, 1).reshape(lse.shape[1], -1).contiguous()

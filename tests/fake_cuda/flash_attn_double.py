@@ -62,6 +62,8 @@ def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_
         assert t.shape == like.shape, f"{name} must have shape {tuple(like.shape)}, got {tuple(t.shape)}"
     assert softmax_lse.dtype == torch.float32, "softmax_lse must be float32"
     assert tuple(softmax_lse.shape) == (q.shape[1], q.shape[0]), "softmax_lse must be [heads, total_q]"
+    # mha_varlen_bwd reads it through its data pointer as dense [heads, total_q], checking nothing
+    assert softmax_lse.is_contiguous(), f"softmax_lse must be contiguous, strides {softmax_lse.stride()}"
     calls["backward"] += 1
     return dq, dk, dv, softmax_lse.new_empty(softmax_lse.shape)
 

@@ -14,7 +14,9 @@ What a case records (the test asserts on it):
 - ``h2d``: host-to-device copies of the second micro-batch (the first learns its requests), with
   non-blocking and pinned; ``d2h``: device-to-host copies from the package;
 - ``precision``: merges, lse and sums that are not float32 although their inputs are bf16;
-- ``cuda_queries``: the package frames that asked torch.cuda what a CPU build cannot answer.
+- ``cuda_queries``: the package frames that asked torch.cuda what a CPU build cannot answer;
+- ``contract_checks``: the attention ops whose contracts (:mod:`.aten_doubles`) the case's calls
+  met (a violation stops the child).
 """
 
 from __future__ import annotations
@@ -136,8 +138,11 @@ def main(argv=None) -> None:
             for case in (c for c in todo if c[0] == p):
                 transports.clear()
                 calls_before = dict(flash_attn_double.calls)
+                checks_before = dict(rules.contracts.checked)
                 start = time.perf_counter()
                 record, used = run_case(*case, rules)
+                record["contract_checks"] = sorted(op for op, n in rules.contracts.checked.items()
+                                                   if n > checks_before.get(op, 0))
                 if flash_attn_double.calls != calls_before:
                     used += ["flash_attn.forward", "flash_attn.backward"]
                 record.update(case=dict(zip(("P", "C", "layout", "rotation", "regather", "kernel"), case)),

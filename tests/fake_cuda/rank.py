@@ -26,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_startrail import kernels
+from tests.fake_cuda.aten_doubles import OpContracts
 
 aten = torch.ops.aten
 H100 = kernels.CudaDevice(capability=(9, 0), sdpa_flash=True, cudnn_version=0)
@@ -126,7 +127,7 @@ def shim_loaded() -> bool:
 
 # Frames never named as a cause: torch's own (dispatch, autograd, modes) and the rehearsal's modes.
 _MACHINERY = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep + "rank.py",
-              os.path.dirname(__file__) + os.sep + "memory.py")
+              os.path.dirname(__file__) + os.sep + "memory.py", os.path.dirname(__file__) + os.sep + "aten_doubles.py")
 
 
 def package_frame() -> str:
@@ -168,6 +169,7 @@ class DeviceRules(TorchDispatchMode):
     cuda_queries: list = field(default_factory=list)
     precision: list = field(default_factory=list)  # (what, input float dtypes, output dtypes, frame)
     ops: Counter = field(default_factory=Counter)
+    contracts: OpContracts | None = None  # checks the attention ops' arguments before they run
     stand_in_values: bool = False
     stand_ins: list = field(default_factory=list)  # (dtype, value given, frame): see _host_value
 
@@ -182,6 +184,8 @@ class DeviceRules(TorchDispatchMode):
         kwargs = kwargs or {}
         tensors = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
         self.ops[func] += 1
+        if self.contracts is not None:
+            self.contracts.check(func, args, kwargs)
         if func in SYNCING and any(t.device.type == "cuda" for t in tensors):
             self.syncs.append((str(func), package_frame()))
         devices = {t.device.type for t in tensors if not (t.device.type == "cpu" and t.dim() == 0)}
@@ -280,7 +284,8 @@ def torch_cuda_answers(device: kernels.CudaDevice, asked_by: list):
 def fake_cuda_rank(rank: int, world: int, device: kernels.CudaDevice = H100, *, stand_in_values: bool = False):
     """This process as rank ``rank`` of ``world`` GPUs: yields ``(fake_mode, rules)``. Tensors made
     inside are FakeTensors; ``rules`` (:class:`DeviceRules`) has recorded every op on exit, and
-    ``rules.cuda_queries`` who asked torch.cuda what a CPU build cannot answer.
+    ``rules.cuda_queries`` who asked torch.cuda what a CPU build cannot answer, and
+    ``rules.contracts.checked`` the attention ops checked against their contracts.
     ``stand_in_values``: host reads of unknown floats and bools outside the package get a
     stand-in value instead of an error (:meth:`DeviceRules._host_value`; a training step's
     grad norm)."""
@@ -292,6 +297,7 @@ def fake_cuda_rank(rank: int, world: int, device: kernels.CudaDevice = H100, *, 
     kernels.assume_cuda_device(0, device)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     rules = DeviceRules(stand_in_values=stand_in_values)
+    rules.contracts = OpContracts(known=rules.known.get)
     try:
         with torch_cuda_answers(device, rules.cuda_queries), FakeTensorMode(allow_non_fake_inputs=False) as mode, \
                 rules, PinnedFactories():
