@@ -40,7 +40,7 @@ import torch
 from benchmarks.gpu_check_kernels import DTYPE_NAMES, DTYPES, TOLERANCE
 from benchmarks.gpu_check_parts import Part, run_parts
 from benchmarks.gpu_check_transport import TransportRow, transport_table
-from megatron_startrail.kernels import KernelRequest, choose_kernel, usable_backends
+from megatron_startrail.kernels import KernelRequest, choose_kernel, cuda_device, usable_backends
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join(ROOT, "benchmarks", "results", "gpu_check.md")
@@ -212,14 +212,23 @@ def efficiency_at_c2(rows: list[dict]) -> list[str]:
     return ["", f"Efficiency at C = 2: {min(at_c2):.2f} (target {TARGET_EFFICIENCY:.2f}: {verdict})."]
 
 
+# The layer classes auto's table tells apart (kernels/measured.py): (batch, mask, packed documents).
+AUTO_CLASSES = ((1, "causal", False), (2, "causal", False), (1, "window", False), (1, "causal", True))
+
+
 def auto_choice(args) -> list[str]:
-    """Which kernel auto picks for each dtype and head dims on this device."""
+    """Which kernel auto picks on this device (its compute capability picks the measured table)
+    for each dtype, head dims and layer class."""
     available = usable_backends(args.device)
-    lines = ["| dtype | head dims q/k, v | kernel | reason |", "|---|---|---|---|"]
+    capability = cuda_device(args.device.index or 0).capability if args.device.type == "cuda" else None
+    lines = ["| dtype | head dims q/k, v | batch | mask | packed | kernel | reason |", "|---|---|---|---|---|---|---|"]
     for dtype in args.dtypes:
         for dims in args.dims:
-            choice = choose_kernel(KernelRequest(args.device.type, dtype, dims[0], dims[1], 1, available))
-            lines.append(f"| {DTYPE_NAMES[dtype]} | {dims[0]}, {dims[1]} | {choice.name} | {choice.reason} |")
+            for batch, mask, packed in AUTO_CLASSES:
+                choice = choose_kernel(KernelRequest(args.device.type, dtype, dims[0], dims[1], 1, available,
+                                                     batch=batch, mask=mask, packed=packed, capability=capability))
+                lines.append(f"| {DTYPE_NAMES[dtype]} | {dims[0]}, {dims[1]} | {batch} | {mask} | {packed} | "
+                             f"{choice.name} | {choice.reason} |")
     return lines
 
 
