@@ -119,9 +119,14 @@ class _OpCounter(TorchDispatchMode):
 def kernel_calls_count_once(counts: Counts, kernel_classes):
     """Inside: every ``forward`` / ``backward`` of these kernel classes counts as one launch."""
     saved = []
+    hidden = []
     for cls in kernel_classes:
-        # backward_into: a per-sequence kernel's backward that adds into the accumulators (blocks.backward_step)
-        for method in [m for m in ("forward", "backward", "backward_into") if hasattr(cls, m)]:
+        # The layer is counted on the fused kernels' path (flash: the schedule adds each call's
+        # gradients itself), not on a per-sequence kernel's backward_into, which would fold
+        # the accumulator adds into the counted call (blocks.backward_step).
+        hidden.append((cls, cls.__dict__.get("backward_into")))
+        cls.backward_into = None
+        for method in ("forward", "backward"):
             original = getattr(cls, method)
             saved.append((cls, method, original))
 
@@ -140,6 +145,11 @@ def kernel_calls_count_once(counts: Counts, kernel_classes):
     finally:
         for cls, method, original in saved:
             setattr(cls, method, original)
+        for cls, own in hidden:
+            if own is None:
+                del cls.backward_into
+            else:
+                cls.backward_into = own
 
 
 @contextlib.contextmanager

@@ -275,7 +275,7 @@ def backward_step(
         kvs = _rows(kv, call, "k")
         inputs = (_rows(dout, call, "q"), _rows(q, call, "q"), kvs[..., :dqk], kvs[..., dqk:], _rows(out, call, "q"),
                   _rows(lse, call, "q").permute(1, 2, 0), call)
-        if call.q_slice is not None and call.k_slice is not None and hasattr(kernel, "backward_into"):
+        if call.q_slice is not None and call.k_slice is not None and getattr(kernel, "backward_into", None) is not None:
             # A per-sequence kernel adds each sequence's gradients into the accumulators' rows:
             # no whole-call gradients beside them (peak memory). Rows no call has written yet
             # are zeroed first (Note [fresh rows]: accumulators start unwritten).
