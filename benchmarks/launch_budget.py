@@ -452,6 +452,13 @@ def read_rows(path: str | None) -> list[dict] | None:
         return json.load(f)
 
 
+def write_rows(path: str | None, rows: list[dict]) -> None:
+    """The rows as JSON at ``path`` (--json; nothing when None), what :func:`read_rows` reads back."""
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(rows, f, indent=1)
+
+
 def main() -> None:
     args = table_args(__doc__)
     rows = []
@@ -466,9 +473,7 @@ def main() -> None:
     print(f"\nOne rank, one layer's forward + backward, {args.tokens} tokens, bf16, 8 heads x 128 "
           "(meta tensors, torch's fake process group; the block kernel counts one op a call):\n")
     print("\n".join(_table(rows, before)))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(rows, f, indent=1)
+    write_rows(args.json, rows)
 
 
 if __name__ == "__main__":

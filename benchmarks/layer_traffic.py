@@ -21,9 +21,7 @@ each launch adds its own few microseconds).
 
 from __future__ import annotations
 
-import json
-
-from benchmarks.launch_budget import Case, count, read_rows, table_args
+from benchmarks.launch_budget import Case, count, read_rows, table_args, write_rows
 
 HBM_BYTES_PER_S = 3.35e12  # H100 SXM5 80GB HBM3, NVIDIA's data sheet
 SHAPES = {"MHA 16x128": (16, 16), "GQA 32/8x128": (32, 8)}  # the H100 run's two head layouts
@@ -80,9 +78,7 @@ def main() -> None:
     rows = [row(name, case) for name, case in cases(args.tokens) if not args.only or args.only in name]
     before = read_rows(args.before)
     print("\n".join(table(rows, before)))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(rows, f, indent=1)
+    write_rows(args.json, rows)
 
 
 if __name__ == "__main__":
