@@ -290,7 +290,7 @@ def startrail_attn(
     reaches only the neighbouring CP ranks' chunks, only those keys move (the halo
     exchange, :mod:`megatron_startrail.halo`), instead of the sub-ring and team phases.
     ``halo_exchange=False`` runs the schedule there too, moving every rank's K, V (to
-    measure what the halo saves; benchmarks/cluster_bench.py's ``-nohalo``).
+    measure what the halo saves; benchmarks/testbed/cluster_bench.py's ``-nohalo``).
 
     ``cp_group`` (optional): the context-parallel process group of this rank, e.g.
     Megatron's ``pg_collection.cp``; it must hold the CP ranks the StarTrail groups were

@@ -205,7 +205,7 @@ def group_backend(group=None, device_type: str | None = None) -> str:
     groups) asks here, so a mixed string means the same thing to all of them."""
     device_type = device_type or default_device_type()
     reported = str(dist.get_backend(group)).lower()
-    # torch's no-op group (e.g. "cpu:fake,meta:fake"): one process standing in for any rank (benchmarks/gpu_check)
+    # torch's no-op group (e.g. "cpu:fake,meta:fake"): one process standing in for any rank (benchmarks/gpu/check)
     if "fake" in reported:
         return "nccl" if device_type == "cuda" else "gloo"
     return backend_for_device(reported, device_type)

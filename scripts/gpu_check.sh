@@ -14,4 +14,4 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-exec "${PYTHON:-python3}" -m benchmarks.gpu_check "$@"
+exec "${PYTHON:-python3}" -m benchmarks.gpu.check "$@"

@@ -32,4 +32,4 @@ if [[ " $* " != *" --cpu-selfcheck "* ]] && ! "$PY" -c "import megatron.core" 2>
         echo "[gpu_session] no megatron-core and no $WHEELS/megatron_core-*.whl: the gpt part will report it" >&2
     fi
 fi
-exec "$PY" -m benchmarks.gpu_session "$@"
+exec "$PY" -m benchmarks.gpu.session "$@"

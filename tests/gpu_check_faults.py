@@ -1,12 +1,13 @@
 """Faulty parts for the GPU kits' tests (child side: the kits start them as they start their own
-parts, through ``benchmarks.gpu_check_parts``, so the process per part is exercised as on a GPU)."""
+parts, through ``benchmarks.gpu.check_parts``, so the process per part is exercised as on a GPU)."""
 
 from __future__ import annotations
 
 import os
 import time
 
-from benchmarks import gpu_check_kernels, gpu_check_parts
+from benchmarks.gpu import check_kernels as gpu_check_kernels
+from benchmarks.gpu import check_parts as gpu_check_parts
 
 
 def permuted_timing_part(items, **kwargs) -> None:

@@ -1,10 +1,10 @@
 """bf16 StarTrail (C=2) and ring (C=1) stay within 1.5x of single-device bf16 attention's error
-against float64, at every length (benchmarks/bf16_accuracy.py at CI sizes: P=8, 1K-4K tokens)."""
+against float64, at every length (benchmarks/accuracy/bf16.py at CI sizes: P=8, 1K-4K tokens)."""
 
 import pytest
 import torch
 
-from benchmarks import bf16_accuracy as bench
+from benchmarks.accuracy import bf16 as bench
 from tests.attention_cases import local_rows, reference_with_grads, zigzag_ranges
 from tests.multiproc import run_ranks
 

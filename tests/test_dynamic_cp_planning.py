@@ -44,7 +44,7 @@ def test_the_command_line_prints_the_three_ways(capsys):
 def test_the_benchmark_summarizes_what_its_ranks_recorded():
     import argparse  # noqa: PLC0415
 
-    from benchmarks.dynamic_cp_bench import summarize, table  # noqa: PLC0415
+    from benchmarks.dynamic_cp.bench import summarize, table  # noqa: PLC0415
 
     args = argparse.Namespace(warmup=1, iters=2, nodes=2)
     # Two ranks of a CP-2 sub-sample and one of a CP-1 one per timed step; the warm-up step is left out.

@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from benchmarks.cluster_bench import parse_config, run_once
+from benchmarks.testbed.cluster_bench import parse_config, run_once
 from benchmarks.testbed.netns_cluster import check_requirements
 from megatron_startrail.accounting import halo_rows
 

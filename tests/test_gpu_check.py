@@ -10,9 +10,10 @@ import sys
 import pytest
 import torch
 
-from benchmarks import gpu_check, gpu_check_kernels
-from benchmarks.gpu_check_kernels import AccuracyRow, Case, check_case, time_kernel
-from benchmarks.gpu_check_parts import Part, run_parts
+from benchmarks.gpu import check as gpu_check
+from benchmarks.gpu import check_kernels as gpu_check_kernels
+from benchmarks.gpu.check_kernels import AccuracyRow, Case, check_case, time_kernel
+from benchmarks.gpu.check_parts import Part, run_parts
 from megatron_startrail.kernels import RULES, ReferenceKernel, make_kernel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -171,7 +172,7 @@ def test_cpu_selfcheck_runs_every_part(tmp_path):
     out = tmp_path / "gpu_check.md"
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_check", "--cpu-selfcheck", "--out", str(out), "--dtypes", "fp32,bf16"],
+        [sys.executable, "-m", "benchmarks.gpu.check", "--cpu-selfcheck", "--out", str(out), "--dtypes", "fp32,bf16"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

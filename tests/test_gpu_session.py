@@ -10,7 +10,9 @@ import subprocess
 import pytest
 import torch
 
-from benchmarks import gpu_check, gpu_session, gpu_session_probes
+from benchmarks.gpu import check as gpu_check
+from benchmarks.gpu import session as gpu_session
+from benchmarks.gpu import session_probes as gpu_session_probes
 from tests.fake_cuda.build import why_not_buildable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

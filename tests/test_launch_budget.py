@@ -1,6 +1,6 @@
 """The launch budget of one layer on one rank (GPU hot-path issue), counted on CPU.
 
-benchmarks/launch_budget.py counts the ATen ops one rank dispatches for a layer's forward
+benchmarks/counters/launch_budget.py counts the ATen ops one rank dispatches for a layer's forward
 + backward (meta tensors, torch's no-op process group, the block kernel one op a call).
 Here at a smaller shape than its 128K table, with the same rules: dense causal within 1.5x
 a minimal zigzag ring at the same P; windowed and packed layers within 2x the dense layer
@@ -10,7 +10,7 @@ window length do not.
 
 import pytest
 
-from benchmarks.launch_budget import Case, count
+from benchmarks.counters.launch_budget import Case, count
 
 TOKENS = 16384
 

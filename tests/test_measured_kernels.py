@@ -1,7 +1,7 @@
 """``auto``'s CUDA rules against the committed GPU tables (issue 49 item 5, issue 50 item 1).
 
 The rows are ``benchmarks/results/gpu/*/accuracy.json``, parsed from the kit's committed
-tables by ``benchmarks/gpu_tables.py`` (checked here to be current). A (kernel, class) that
+tables by ``benchmarks/gpu/tables.py`` (checked here to be current). A (kernel, class) that
 ``auto`` picks on sm90 needs PASS rows of that kernel covering every call kind the class makes
 (``measured.layer_kinds``) at its dtype, batch and head dims; no class auto picks on any GPU
 may have a FAIL row; every reason cites a committed file. The reference kernel, the last
@@ -17,7 +17,7 @@ import types
 import pytest
 import torch
 
-from benchmarks import gpu_tables
+from benchmarks.gpu import tables as gpu_tables
 from megatron_startrail.kernels import KernelRequest, choose_kernel, measured
 from megatron_startrail.layout import dense_sequence, documents_from_cu_seqlens, plan_calls, rows_of_cp_ranks
 
@@ -84,7 +84,7 @@ def test_committed_tables_are_parsed_from_the_kit_files():
     for folder in FOLDERS:
         committed = json.load(open(os.path.join(folder, "accuracy.json")))
         assert committed == gpu_tables.folder_rows(folder), (
-            f"{folder}/accuracy.json is stale: run python -m benchmarks.gpu_tables")
+            f"{folder}/accuracy.json is stale: run python -m benchmarks.gpu.tables")
         for name in os.listdir(folder):  # each kit table: as many rows as its own count line says
             text = open(os.path.join(folder, name)).read() if name.endswith(".md") else ""
             for counts in re.findall(r"PASS (\d+), FAIL (\d+), SKIP (\d+)\.", text):

@@ -1,13 +1,13 @@
 """The closed form of one layer's live bytes (megatron_startrail/planning/memory_model.py) against
-the measured peak (benchmarks/peak_memory.py: CPU allocator events, forked gloo ranks;
-benchmarks/fake_cuda_memory.py: GPU-scale shapes on fake CUDA; and one H100's
+the measured peak (benchmarks/counters/peak_memory.py: CPU allocator events, forked gloo ranks;
+benchmarks/counters/fake_cuda_memory.py: GPU-scale shapes on fake CUDA; and one H100's
 ``torch.cuda.max_memory_allocated``)."""
 
 import json
 
 import pytest
 
-from benchmarks.peak_memory import run
+from benchmarks.counters.peak_memory import run
 from megatron_startrail.accounting import AttentionShape
 from megatron_startrail.planning.memory_model import activation_peak_bytes, layer_memory_bytes, layer_memory_terms
 
@@ -48,7 +48,7 @@ def test_the_model_bounds_the_measured_peak(measured):
 
 @pytest.fixture(scope="module")
 def fake_cuda_rows(tmp_path_factory):
-    """benchmarks/fake_cuda_memory.py at P = 16 (ring and C = 4; both rotations, with and
+    """benchmarks/counters/fake_cuda_memory.py at P = 16 (ring and C = 4; both rotations, with and
     without regathering), 128K tokens of bf16 GQA 32/8 x 128, rank 1, in a fake-CUDA process:
     the order of allocations is the program's, not gloo's timing."""
     from tests.fake_cuda.build import build_shim, why_not_buildable  # noqa: PLC0415
@@ -57,7 +57,7 @@ def fake_cuda_rows(tmp_path_factory):
     if (why := why_not_buildable()) is not None:
         pytest.skip(why)
     out = tmp_path_factory.mktemp("fake_cuda_memory")
-    done = run_fake_cuda(build_shim(tmp_path_factory.mktemp("shim")), "benchmarks.fake_cuda_memory",
+    done = run_fake_cuda(build_shim(tmp_path_factory.mktemp("shim")), "benchmarks.counters.fake_cuda_memory",
                          "--out", str(out / "rows"), "--tokens", str(2**17), "--world-sizes", "16", "--team-sizes", "1", "4",
                          "--no-extras",
                          timeout=300)
@@ -106,7 +106,7 @@ def test_team_buffers_grow_with_the_team(cp_size, team_size):
 
 def test_each_layer_adds_what_one_layer_is_measured_to_keep(measured):
     # The planner's peak over L layers grows per layer by what a layer keeps for its backward.
-    # Measured: the bytes autograd saved for one layer (benchmarks/peak_memory.py), without the
+    # Measured: the bytes autograd saved for one layer (benchmarks/counters/peak_memory.py), without the
     # inputs q, k, v; the layer keeps them too where its backward reads them -- all three for
     # ring attention and regathering, q alone for rotation "q" (the team's K, V and the
     # gathered Q otherwise). Each is one rank's [256, 1, 4, 32] float32 share.

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
-from benchmarks.cluster_bench import cluster_spec, parser, workload
+from benchmarks.testbed.cluster_bench import cluster_spec, parser, workload
 from benchmarks.testbed.planner_validation import TOLERANCE, cluster_key, load
 from benchmarks.testbed.ranking import check_ranking
 from megatron_startrail.accounting import AttentionShape, expected_comm, kept_for_backward_bytes

@@ -12,7 +12,7 @@ import itertools
 
 import torch
 
-from benchmarks.memory import saved_bytes
+from benchmarks.counters.memory import saved_bytes
 from megatron_startrail import new_startrail_groups, startrail_attn
 from megatron_startrail.accounting import AttentionShape, expected_comm, kept_for_backward_bytes
 from tests.attention_cases import TOLERANCE, local_rows, reference_with_grads, relative_error

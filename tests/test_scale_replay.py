@@ -1,11 +1,11 @@
-"""Every rank's program at scale, replayed under NCCL's rules (benchmarks/scale_replay.py),
+"""Every rank's program at scale, replayed under NCCL's rules (benchmarks/counters/scale_replay.py),
 reduced: P = 32 and 64, a few configurations, dynamic CP at DP x CP = 64 -- each replays
 with no hang and no mismatch -- and the planted bug at P = 128 (one rank skipping one piece
 of its initial send) is named: the rank, and the initial send."""
 
 import pytest
 
-from benchmarks.scale_replay import (
+from benchmarks.counters.scale_replay import (
     Config,
     planted_bug,
     problems_of,

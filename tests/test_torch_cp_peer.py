@@ -5,7 +5,7 @@ import itertools
 import torch
 import torch.distributed as dist
 
-from benchmarks.torch_cp_peer import ROTATE_METHODS, torch_ring_attn
+from benchmarks.testbed.torch_cp_peer import ROTATE_METHODS, torch_ring_attn
 from tests.attention_cases import TOLERANCE, full_inputs, local_rows, reference_with_grads, relative_error
 from tests.multiproc import run_ranks
 

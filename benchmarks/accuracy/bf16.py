@@ -1,6 +1,6 @@
 """bf16 accuracy of StarTrail at long context, against a float64 reference.
 
-    python benchmarks/bf16_accuracy.py --lengths 4096 8192 16384 32768 65536 --world-size 8 \
+    python -m benchmarks.accuracy.bf16 --lengths 4096 8192 16384 32768 65536 --world-size 8 \
         --out benchmarks/results/bf16_accuracy
 
 For every total sequence length S, ``--world-size`` P forked gloo ranks (one CP group, causal
@@ -33,10 +33,9 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_startrail import new_startrail_groups, startrail_attn  # noqa: E402
-from tests.attention_cases import zigzag_ranges  # noqa: E402  (Megatron's CP layout, shared with the tests)
+from benchmarks import RESULTS
+from megatron_startrail import new_startrail_groups, startrail_attn
+from tests.attention_cases import zigzag_ranges  # Megatron's CP layout, shared with the tests
 
 TENSORS = ("out", "dq", "dk", "dv")
 REF_BLOCK = 2048  # rows/keys per float64 block: [h, 2048, 2048] scores = 64 MiB at h = 2
@@ -280,8 +279,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=3600.0)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                      "bf16_accuracy"))
+    parser.add_argument("--out", default=os.path.join(RESULTS, "bf16_accuracy"))
     parser.add_argument("--from-json", metavar="JSON", help="Only rewrite the table and plot of a saved run.")
     args = parser.parse_args(argv)
     if args.from_json:

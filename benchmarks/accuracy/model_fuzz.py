@@ -31,8 +31,8 @@ and resume, and a second model in the same processes running a forward before ev
 
 Usage::
 
-    python -m benchmarks.model_fuzz --seed 7 --draws 25            # appends to benchmarks/results/model_fuzz.*
-    python -m benchmarks.model_fuzz --seed 7 --draws 1 --first 12   # reproduce draw 12 of seed 7
+    python -m benchmarks.accuracy.model_fuzz --seed 7 --draws 25            # appends to benchmarks/results/model_fuzz.*
+    python -m benchmarks.accuracy.model_fuzz --seed 7 --draws 1 --first 12   # reproduce draw 12 of seed 7
 
 A draw is named ``seed:index``; ``--first`` skips to an index. tests/megatron/test_model_fuzz.py
 runs a fixed slice and draws from a seed derived from the commit.
@@ -51,11 +51,10 @@ import shutil
 import tempfile
 import time
 
+from benchmarks import RESULTS
 from tests.megatron.example import pretrain_gpt, run_example_rank  # the CPU shims, megatron.training
 from tests.multiproc import run_ranks
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS = os.path.join(HERE, "results")
 TOLERANCE = 1e-5
 ITERS = 4
 SEQ = 256
@@ -469,14 +468,14 @@ def table(rows: list[dict]) -> str:
     counts = {s: sum(r["status"] == s for r in rows) for s in ("exact", "DIFFERS", "refused", "skipped", "error")}
     timed = [r["seconds"] for r in rows if r["status"] == "exact"]
     lines = [
-        "# Model-level differential fuzz: StarTrail CP against CP = 1 (benchmarks/model_fuzz.py)",
+        "# Model-level differential fuzz: StarTrail CP against CP = 1 (benchmarks/accuracy/model_fuzz.py)",
         "",
         f"{len(rows)} draws: " + ", ".join(f"{n} {s}" for s, n in counts.items()) +
         (f"; {sum(timed) / len(timed):.0f} s per compared draw on average (two runs), 2-core CPU, gloo" if timed else ""),
         "",
         f"Tolerance {TOLERANCE:g} relative, every parameter's first-step gradient (per TP / PP / EP rank) and "
         f"{ITERS} iterations of lm loss, fp32. Reproduce a draw `seed:i` with "
-        "`python -m benchmarks.model_fuzz --seed SEED --first I --draws 1`.",
+        "`python -m benchmarks.accuracy.model_fuzz --seed SEED --first I --draws 1`.",
         "",
         "| draw | configuration | ranks | status | loss err | grad err | s | note |",
         "|---|---|---|---|---|---|---|---|",

@@ -1,6 +1,6 @@
 """One attention layer's memory per rank at GPU scale, on fake CUDA, against the closed-form model.
 
-    python -m benchmarks.fake_cuda_memory --out benchmarks/results/fake_cuda_memory
+    python -m benchmarks.counters.fake_cuda_memory --out benchmarks/results/fake_cuda_memory
 
 The parent builds the fake-CUDA shim (``tests/fake_cuda``) and reruns this module under it; there
 one process is rank ``r`` of ``P`` H100s in turn (torch's fake process group: collectives and P2P
@@ -146,7 +146,7 @@ def child(out: str, tokens_list: list[int], worlds: list[int], teams, extras: bo
         rows.append(measure(**config))
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out + ".json").write_text(json.dumps(rows, indent=1) + "\n")
-    header = (f"# One attention layer's memory per rank on fake CUDA\n\n    python -m benchmarks.fake_cuda_memory "
+    header = (f"# One attention layer's memory per rank on fake CUDA\n\n    python -m benchmarks.counters.fake_cuda_memory "
               f"--out {out}\n\n{__doc__.split(chr(10) + chr(10), 2)[2]}\n"
               f"bf16, {HEADS} query heads, {KV_HEADS} KV heads, head dim {DIM}, batch 1, causal; rank 1 of P; GiB "
               "(2^30 bytes) per rank. Model: `layer_memory_bytes` (in parentheses for the forward and backward "
@@ -171,7 +171,7 @@ def main(argv=None) -> int:
     if (why := why_not_buildable()) is not None:
         sys.exit(f"fake CUDA is not available here: {why}")
     shim_dir = Path(tempfile.gettempdir()) / "startrail_fake_cuda"
-    done = run_fake_cuda(build_shim(shim_dir), "benchmarks.fake_cuda_memory", *(argv if argv is not None else sys.argv[1:]))
+    done = run_fake_cuda(build_shim(shim_dir), "benchmarks.counters.fake_cuda_memory", *(argv if argv is not None else sys.argv[1:]))
     sys.stdout.write(done.stdout)
     sys.stderr.write(done.stderr)
     return done.returncode

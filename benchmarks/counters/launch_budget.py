@@ -15,8 +15,8 @@ every dispatched op. The yardstick is a minimal zigzag ring, written the way
 ring-flash-attention structures it (one fused call per half block, one merge per step),
 counted the same way (in this file only; nothing of it is used by the package).
 
-    .venv/bin/python benchmarks/launch_budget.py                  # 131072 tokens, the table
-    .venv/bin/python benchmarks/launch_budget.py --json out.json  # and the rows as JSON
+    .venv/bin/python -m benchmarks.counters.launch_budget                  # 131072 tokens, the table
+    .venv/bin/python -m benchmarks.counters.launch_budget --json out.json  # and the rows as JSON
 """
 
 from __future__ import annotations

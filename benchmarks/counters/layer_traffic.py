@@ -7,7 +7,7 @@ without a GPU, what a rank does besides the attention kernel in one layer's forw
 backward: the launches, and the bytes every non-kernel op reads and writes (merges,
 accumulator adds, casts, copies, gathers, fills), split into the schedule's own and, with
 a CUDA adapter, the adapter's (pads, per-sequence copies, GQA expansion, ``.contiguous()``).
-It uses :mod:`benchmarks.launch_budget`'s counter (meta tensors, torch's no-op process
+It uses :mod:`benchmarks.counters.launch_budget`'s counter (meta tensors, torch's no-op process
 group); with a CUDA adapter the layer runs the adapter itself on meta, its fused op
 counted as the kernel launch.
 
@@ -15,13 +15,13 @@ counted as the kernel launch.
 sheet): a floor, not a measurement (the element-wise ops reach maybe 80-90% of it, and
 each launch adds its own few microseconds).
 
-    .venv/bin/python benchmarks/layer_traffic.py --json benchmarks/results/layer_traffic.json
-    .venv/bin/python benchmarks/layer_traffic.py --before benchmarks/results/layer_traffic_before.json
+    .venv/bin/python -m benchmarks.counters.layer_traffic --json benchmarks/results/layer_traffic.json
+    .venv/bin/python -m benchmarks.counters.layer_traffic --before benchmarks/results/layer_traffic_before.json
 """
 
 from __future__ import annotations
 
-from benchmarks.launch_budget import Case, count, read_rows, table_args, write_rows
+from benchmarks.counters.launch_budget import Case, count, read_rows, table_args, write_rows
 
 HBM_BYTES_PER_S = 3.35e12  # H100 SXM5 80GB HBM3, NVIDIA's data sheet
 SHAPES = {"MHA 16x128": (16, 16), "GQA 32/8x128": (32, 8)}  # the H100 run's two head layouts

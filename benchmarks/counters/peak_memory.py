@@ -1,10 +1,10 @@
 """Peak live memory of one attention layer (forward + backward), per rank, against ring attention.
 
-    python benchmarks/peak_memory.py --out benchmarks/results/peak_memory
+    python -m benchmarks.counters.peak_memory --out benchmarks/results/peak_memory
 
 For each world size P and configuration, P forked gloo ranks (one CP group, causal attention,
 Megatron's zigzag layout, the peer table's workload: 2048 tokens, 4 heads of 32, float32)
-run one forward + backward after a warm-up, and measure with ``benchmarks/memory.py``, the
+run one forward + backward after a warm-up, and measure with ``benchmarks/counters/memory.py``, the
 method of the peer table (``cluster_bench.py``):
 
 - ``peak live``: the peak of live tensor bytes above the start (the caller's q, k, v, dO
@@ -35,12 +35,11 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.memory import peak_live_bytes, saved_bytes  # noqa: E402
-from megatron_startrail import new_startrail_groups, startrail_attn  # noqa: E402
-from megatron_startrail.accounting import AttentionShape  # noqa: E402
-from megatron_startrail.planning.memory_model import layer_memory_bytes  # noqa: E402
+from benchmarks import RESULTS
+from benchmarks.counters.memory import peak_live_bytes, saved_bytes
+from megatron_startrail import new_startrail_groups, startrail_attn
+from megatron_startrail.accounting import AttentionShape
+from megatron_startrail.planning.memory_model import layer_memory_bytes
 
 MiB = 2**20
 
@@ -151,8 +150,7 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--repeats", type=int, default=3, help="runs per configuration; the table gives the median")
     parser.add_argument("--before", metavar="JSON", help="a run of an earlier commit, for before/after columns")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                      "peak_memory"))
+    parser.add_argument("--out", default=os.path.join(RESULTS, "peak_memory"))
     parser.add_argument("--from-json", metavar="JSON", help="only rewrite the table of a saved run")
     args = parser.parse_args(argv)
     if args.from_json:

@@ -1,7 +1,7 @@
 """Every rank's program at scale, replayed under NCCL's rules (issue 38, item 3).
 
 One process stands in for each rank of ``P`` in turn (torch's no-op ``fake`` process group,
-as benchmarks/launch_budget.py does) and records, in NCCL-rules mode
+as benchmarks/counters/launch_budget.py does) and records, in NCCL-rules mode
 (:mod:`megatron_startrail.nccl_rules`), that rank's whole program for one layer's forward
 and backward: every post per communicator (NCCL's mapping of channels), every wait, every
 collective. :func:`megatron_startrail.nccl_replay.replay` then runs all ranks' programs
@@ -27,8 +27,8 @@ What a stand-in is and is not:
   of their CP size, with Megatron's barrier over DP x CP between phases. A sub-sample's
   tokens are a few per rank whatever its length (its CP size and team size are its own).
 
-    .venv/bin/python benchmarks/scale_replay.py                       # the table (long)
-    .venv/bin/python benchmarks/scale_replay.py --world-sizes 32 64 --dynamic-sizes 64
+    .venv/bin/python -m benchmarks.counters.scale_replay                       # the table (long)
+    .venv/bin/python -m benchmarks.counters.scale_replay --world-sizes 32 64 --dynamic-sizes 64
 """
 
 from __future__ import annotations
@@ -45,13 +45,14 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
+import benchmarks
 from megatron_startrail import nccl_rules, new_startrail_groups, startrail_attn
 from megatron_startrail import transport as transport_module
 from megatron_startrail.kernels.reference import ReferenceKernel
 from megatron_startrail.nccl_replay import replay
 from megatron_startrail.topology import valid_team_sizes
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results/scale_replay.md")
+RESULTS = os.path.join(benchmarks.RESULTS, "scale_replay.md")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +171,7 @@ def _take(recording: Recording, rank: int, comms: int) -> None:
 
 def _attention_kwargs(cfg: Config) -> dict:
     """The attention's options of ``cfg``: window and packed documents (global cu_seqlens)."""
-    from benchmarks.launch_budget import lognormal_documents  # noqa: PLC0415
+    from benchmarks.counters.launch_budget import lognormal_documents  # noqa: PLC0415
 
     kwargs = {"causal": True}
     chunk = cfg.local_tokens // 2  # tokens / (2 CP): every rank holds two chunks
@@ -404,7 +405,7 @@ def main(argv: list[str] | None = None) -> None:
 
 _HEADER = """# Every rank's program at scale, replayed under NCCL's rules
 
-`benchmarks/scale_replay.py` (issue 38, item 3): one process stands in for every rank in
+`benchmarks/counters/scale_replay.py` (issue 38, item 3): one process stands in for every rank in
 turn (torch's fake process group), records its whole program for one layer's forward and
 backward in NCCL-rules mode, and `nccl_replay.replay` runs all ranks' programs together
 (`nccl_rules.verify` checks the audits). Static CP: one CP group of P ranks (Megatron's,

@@ -1,7 +1,7 @@
 """Static StarTrail CP against Megatron's hybrid (dynamic) CP, with ring attention and with
 StarTrail, on an emulated cluster (one command; needs root).
 
-    sudo .venv/bin/python benchmarks/dynamic_cp_bench.py --nodes 2 --ranks-per-node 4 --rate-mbit 100
+    sudo .venv/bin/python -m benchmarks.dynamic_cp.bench --nodes 2 --ranks-per-node 4 --rate-mbit 100
 
 The same variable-length documents (``--min-doc`` to ``--max-doc`` tokens, log-uniform:
 most short, a few long), packed into samples of ``--seq-length`` tokens by Megatron's
@@ -32,19 +32,17 @@ import tempfile
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-
-from benchmarks.testbed.netns_cluster import EmulatedCluster, check_requirements  # noqa: E402
-from megatron_startrail.planning.cluster import preset  # noqa: E402
-from megatron_startrail.planning.dynamic_cp import price_dynamic_batch  # noqa: E402
-from megatron_startrail.planning.planner import Workload, predict  # noqa: E402
+from benchmarks import RESULTS, ROOT
+from benchmarks.testbed.netns_cluster import EmulatedCluster, check_requirements
+from megatron_startrail.planning.cluster import preset
+from megatron_startrail.planning.dynamic_cp import price_dynamic_batch
+from megatron_startrail.planning.planner import Workload, predict
 
 
 def documents(count: int, low: int, high: int, seed: int = 0) -> list[np.ndarray]:
     """``count`` documents of log-uniform lengths in [low, high]: a repeated random pattern,
     then EOD (what a document holds predicts its next tokens)."""
-    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples", "data"))
+    sys.path.insert(0, os.path.join(ROOT, "examples", "data"))
     from make_indexed_dataset import EOD  # noqa: PLC0415
 
     rng = np.random.default_rng(seed)
@@ -75,8 +73,8 @@ def run_config(cluster, args, flags: list[str], data: str, port: int) -> list[di
                 "--distributed-timeout-minutes", "5", *flags]
         spec = os.path.join(tmp, "spec.json")
         json.dump({"argv": argv, "output": tmp, "warmup": args.warmup}, open(spec, "w"))
-        cluster.run_ranks(args.ranks_per_node, [sys.executable, os.path.join(HERE, "dynamic_cp_worker.py"), spec],
-                          {"PYTHONPATH": os.path.dirname(HERE)}, port, timeout=args.timeout)
+        cluster.run_ranks(args.ranks_per_node, [sys.executable, "-m", "benchmarks.dynamic_cp.worker", spec],
+                          {"PYTHONPATH": ROOT}, port, timeout=args.timeout)
         world = args.nodes * args.ranks_per_node
         return [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(world)]
 
@@ -164,7 +162,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     args = parser().parse_args(argv)
-    args.out = args.out or os.path.join(HERE, "results", f"dynamic_cp_{args.nodes}x{args.ranks_per_node}_"
+    args.out = args.out or os.path.join(RESULTS, f"dynamic_cp_{args.nodes}x{args.ranks_per_node}_"
                                                          f"{args.rate_mbit:g}mbit")
     reason = check_requirements()
     if reason:
@@ -175,7 +173,7 @@ def main(argv=None) -> None:
         from megatron_startrail.megatron import cpu_patches  # noqa: PLC0415
 
         cpu_patches.install_import_shims()
-    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples", "data"))
+    sys.path.insert(0, os.path.join(ROOT, "examples", "data"))
     from make_indexed_dataset import write_indexed_dataset  # noqa: PLC0415
 
     rows = []
@@ -192,7 +190,7 @@ def main(argv=None) -> None:
     with open(args.out + ".json", "w") as f:
         json.dump(result, f, indent=1)
     given = " ".join(sys.argv[1:] if argv is None else argv)
-    command = f"`sudo .venv/bin/python benchmarks/dynamic_cp_bench.py{' ' + given if given else ''}`" + \
+    command = f"`sudo .venv/bin/python -m benchmarks.dynamic_cp.bench{' ' + given if given else ''}`" + \
         ("" if given else " (the defaults)")
     with open(args.out + ".md", "w") as f:
         f.write(f"{args.nodes} nodes x {args.ranks_per_node} ranks, {args.rate_mbit:g} Mbit/s node links, "

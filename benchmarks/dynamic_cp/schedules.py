@@ -12,7 +12,7 @@ aligned groups, or the scheduler failing), balance (summed over phases, the busi
 work over the mean rank's, work = length^2 / CP size, Megatron's own estimate; phases run
 one after the other, so this is step time over ideal time), and sub-samples per CP size.
 
-    python benchmarks/dynamic_cp_schedules.py --batches 10000 --out benchmarks/results/dynamic_cp_schedules.md
+    python -m benchmarks.dynamic_cp.schedules --batches 10000 --out benchmarks/results/dynamic_cp_schedules.md
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def main(argv=None) -> int:
     text = table(results)
     legend = "\n".join(f"- {name}: {desc}" for name, (desc, _) in DISTRIBUTIONS.items())
     report = (f"# Hybrid CP schedules: megatron-core 0.19.2's BalancedCPScheduler, with and without the aligned fill\n\n"
-              f"`python benchmarks/dynamic_cp_schedules.py --batches {args.batches} --seed {args.seed}`, "
+              f"`python -m benchmarks.dynamic_cp.schedules --batches {args.batches} --seed {args.seed}`, "
               f"{time.time() - start:.0f} s on {args.workers} workers. Global batches of about 2 x DP x CP x max "
               "seqlen tokens. Unrunnable: a sub-sample on ranks that are not one of Megatron's aligned groups "
               "(or the scheduler failing). Balance: summed over phases, busiest rank's work / mean rank's work "

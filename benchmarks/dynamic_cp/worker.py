@@ -1,6 +1,6 @@
-"""One rank of benchmarks/dynamic_cp_bench.py: examples/pretrain_gpt.py with timers around it.
+"""One rank of benchmarks/dynamic_cp/bench.py: examples/pretrain_gpt.py with timers around it.
 
-    python benchmarks/dynamic_cp_worker.py SPEC.json      (RANK, WORLD_SIZE, ... from the cluster)
+    python -m benchmarks.dynamic_cp.worker SPEC.json      (RANK, WORLD_SIZE, ... from the cluster)
 
 SPEC: ``{"argv": [...the example's flags...], "output": DIR}``. Writes ``DIR/rank<r>.json``:
 the wall time of every ``train_step``, the time this rank waited in the hybrid schedule's
@@ -20,10 +20,8 @@ import os
 import sys
 import time
 
+from benchmarks import ROOT
 from benchmarks.testbed.netns_cluster import inter_node_links, node_tx_bytes  # stdlib only: before the shims is fine
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 
 
 def main(spec_path: str) -> None:

@@ -1,6 +1,6 @@
 """The GPU validation kit behind ``scripts/gpu_check.sh`` (one CUDA GPU, PyTorch; no megatron).
 
-Four parts, each in its own process with its own timeout (:mod:`benchmarks.gpu_check_parts`):
+Four parts, each in its own process with its own timeout (:mod:`benchmarks.gpu.check_parts`):
 a CUDA fault in one keeps every row written before it, and the others run. The Markdown table
 (``benchmarks/results/gpu_check.md`` by default) and a JSON of every row beside it are written
 after each part.
@@ -13,16 +13,16 @@ after each part.
    the same tensors, after checking that both compute the same;
 3. ``rank``: one StarTrail rank at long context through torch's no-op process group: its
    forward + backward time against (one fused SDPA forward + backward over the whole
-   sequence) / P, and its memory against the model (``benchmarks/gpu_check_rank.py``);
+   sequence) / P, and its memory against the model (``benchmarks/gpu/check_rank.py``);
 4. ``transport``: the NCCL transport on one GPU: eager group initialisation, a self exchange
-   on both channels, the timeline from CUDA events (``benchmarks/gpu_check_transport.py``).
+   on both channels, the timeline from CUDA events (``benchmarks/gpu/check_transport.py``).
 
 ``--cpu-selfcheck`` runs all four at toy sizes on the CPU, each in its process as on a GPU
 (the CI test does, in seconds): it checks the kit itself, not any GPU kernel. The exit status
 is 1 when any accuracy row FAILs or any part reports an error (speed never fails the run).
 
     bash scripts/gpu_check.sh                      # the full check on cuda:0
-    python -m benchmarks.gpu_check --cpu-selfcheck --out /tmp/gpu_check.md
+    python -m benchmarks.gpu.check --cpu-selfcheck --out /tmp/gpu_check.md
 """
 
 from __future__ import annotations
@@ -37,22 +37,22 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.gpu_check_kernels import DTYPE_NAMES, DTYPES, TOLERANCE
-from benchmarks.gpu_check_parts import Part, run_parts
-from benchmarks.gpu_check_transport import TransportRow, transport_table
+from benchmarks import RESULTS
+from benchmarks.gpu.check_kernels import DTYPE_NAMES, DTYPES, TOLERANCE
+from benchmarks.gpu.check_parts import Part, run_parts
+from benchmarks.gpu.check_transport import TransportRow, transport_table
 from megatron_startrail.kernels import KernelRequest, choose_kernel, cuda_device, usable_backends
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_OUT = os.path.join(ROOT, "benchmarks", "results", "gpu_check.md")
+DEFAULT_OUT = os.path.join(RESULTS, "gpu_check.md")
 TARGET_EFFICIENCY = 0.90  # issue 14: the block loop at C = 2 should reach 90% of the fused call
 PARTS = ("accuracy", "timing", "rank", "transport")
 # Each part's time limit in seconds on a GPU (a CPU self-check: CPU_TIMEOUT_S each).
 TIMEOUT_S = {"accuracy": 600, "timing": 300, "rank": 300, "transport": 120}
 CPU_TIMEOUT_S = 300  # toy sizes: the limit only stops a hung part, on a CI machine however loaded
-FUNCTIONS = {"accuracy": "benchmarks.gpu_check_kernels:accuracy_part",
-             "timing": "benchmarks.gpu_check_kernels:timing_part",
-             "rank": "benchmarks.gpu_check_rank:rank_part",
-             "transport": "benchmarks.gpu_check_transport:transport_part"}
+FUNCTIONS = {"accuracy": "benchmarks.gpu.check_kernels:accuracy_part",
+             "timing": "benchmarks.gpu.check_kernels:timing_part",
+             "rank": "benchmarks.gpu.check_rank:rank_part",
+             "transport": "benchmarks.gpu.check_transport:transport_part"}
 
 
 def _dims(text: str) -> tuple[int, int]:
@@ -107,7 +107,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.device.type == "cuda" and not torch.cuda.is_available():
         p.error("no CUDA device: run on a GPU machine, or use --cpu-selfcheck")
     args.parts = [n for n in PARTS if not (n == "timing" and args.skip_timing) and not (n == "rank" and args.skip_rank)]
-    args.command = " ".join(["python -m benchmarks.gpu_check"] + (argv if argv is not None else sys.argv[1:]))
+    args.command = " ".join(["python -m benchmarks.gpu.check"] + (argv if argv is not None else sys.argv[1:]))
     return args
 
 

@@ -14,7 +14,7 @@ Speed: each kernel's forward + backward against SDPA's on the same tensors, afte
 that both compute the same (:func:`agreement`).
 
 ``accuracy_part`` and ``timing_part`` are the kit's parts: each runs in its own process
-(:mod:`benchmarks.gpu_check_parts`), one item per case.
+(:mod:`benchmarks.gpu.check_parts`), one item per case.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from benchmarks.gpu_check_parts import device_lost
+from benchmarks.gpu.check_parts import device_lost
 from megatron_startrail.kernels import (RULES, KernelRequest, ReferenceKernel, kernel_constraint, make_kernel,
                                         usable_backends)
 from megatron_startrail.layout import KernelCall

@@ -1,9 +1,9 @@
 """Run a GPU check's parts each in its own process, with its own timeout, so that no fault loses rows.
 
 A CUDA fault (an illegal memory access) destroys the process's CUDA context: every later call
-fails, and whatever the process held in memory is gone. So the kits (``benchmarks.gpu_check``,
-``benchmarks.gpu_session``) split their work into parts (:class:`Part`), and each part into
-items. The parent runs each part as ``python -m benchmarks.gpu_check_parts`` with the part's
+fails, and whatever the process held in memory is gone. So the kits (``benchmarks.gpu.check``,
+``benchmarks.gpu.session``) split their work into parts (:class:`Part`), and each part into
+items. The parent runs each part as ``python -m benchmarks.gpu.check_parts`` with the part's
 function and arguments; the child writes one JSON line per event to a rows file, flushed at once:
 
 - ``{"start": i, "what": ...}`` before item ``i``;
@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks import ROOT
+
 LOST_DEVICE_EXIT = 3  # the child's exit status when its device context is gone
 MAX_RESTARTS = 4  # per part: items that kill the process, each skipped on the next start
 
@@ -146,7 +147,7 @@ def read_events(path: Path) -> tuple[list, list, int | None, int]:
 def _start(part: Part, kwargs: dict, rows: Path, skip: int, log) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                PYTHONUNBUFFERED="1", **part.env)
-    cmd = [sys.executable, "-m", "benchmarks.gpu_check_parts", "--function", part.function,
+    cmd = [sys.executable, "-m", "benchmarks.gpu.check_parts", "--function", part.function,
            "--kwargs", json.dumps(kwargs), "--rows", str(rows), "--skip", str(skip)]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 

@@ -8,7 +8,7 @@ time measured is one rank's compute and memory traffic of the block loop, and
 forward+backward over the whole sequence divided by ``P``: the block loop's efficiency is
 that divided by the rank's time (1.0 = no overhead over a single fused call).
 
-Memory is measured as the fake-CUDA rehearsal counts it (``benchmarks/fake_cuda_memory.py``):
+Memory is measured as the fake-CUDA rehearsal counts it (``benchmarks/counters/fake_cuda_memory.py``):
 bytes above the caller's q, k, v, dO -- ``kept`` live after the forward, ``forward_peak`` and
 ``backward_peak`` the most allocated during each -- beside
 :func:`megatron_startrail.planning.memory_model.layer_memory_bytes` and the rehearsal's row
@@ -25,12 +25,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from benchmarks.gpu_check_kernels import DTYPE_NAMES, DTYPES, _timer
+from benchmarks import RESULTS
+from benchmarks.gpu.check_kernels import DTYPE_NAMES, DTYPES, _timer
 from megatron_startrail import new_startrail_groups, startrail_attn
 from megatron_startrail.accounting import AttentionShape, choose_backward_rotation
 from megatron_startrail.planning.memory_model import layer_memory_bytes
 
-REHEARSAL = Path(__file__).resolve().parent / "results" / "fake_cuda_memory.json"
+REHEARSAL = Path(RESULTS) / "fake_cuda_memory.json"
 NAN = float("nan")
 
 
@@ -148,7 +149,7 @@ def one_rank(world: int, team: int, tokens: int, heads: int, kv_heads: int, head
 
 def rehearsal_row(tokens, world, team, rank, rotation, heads, kv_heads, head_dim, dtype) -> dict | None:
     """The fake-CUDA rehearsal's kept / forward / backward bytes of this configuration, if it ran it."""
-    from benchmarks.fake_cuda_memory import DIM, HEADS, KV_HEADS  # noqa: PLC0415
+    from benchmarks.counters.fake_cuda_memory import DIM, HEADS, KV_HEADS  # noqa: PLC0415
 
     if (heads, kv_heads, head_dim, dtype) != (HEADS, KV_HEADS, DIM, torch.bfloat16) or not REHEARSAL.exists():
         return None

@@ -1,6 +1,6 @@
 """One prepared command for a lent GPU: ``bash scripts/gpu_session.sh`` (docs/gpus.md, "A GPU session").
 
-Every part runs in its own process with its own time limit (:mod:`benchmarks.gpu_check_parts`),
+Every part runs in its own process with its own time limit (:mod:`benchmarks.gpu.check_parts`),
 all of them within ``--budget-s`` (450 s: an H100 lease is 15 minutes, a machine's start about
 one, one command at most 10); the tables are rewritten after each part, so a fault or the end of
 the time loses only the part it hits. Parts, in order, with their limits on a GPU (s):
@@ -37,11 +37,11 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import gpu_check
-from benchmarks.gpu_check_parts import Part, run_parts
-from benchmarks.gpu_check_transport import TransportRow, transport_table
+from benchmarks import RESULTS
+from benchmarks.gpu import check as gpu_check
+from benchmarks.gpu.check_parts import Part, run_parts
+from benchmarks.gpu.check_transport import TransportRow, transport_table
 
-ROOT = Path(__file__).resolve().parents[1]
 ORDER = ("accuracy", "timing", "rank-128k", "profile", "syncdebug", "transport", "gpt", "rank-1m")
 TIMEOUT_S = {"accuracy": 100, "timing": 45, "rank-128k": 75, "profile": 30, "syncdebug": 40, "transport": 30,
              "gpt": 75, "rank-1m": 110}
@@ -63,11 +63,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.parts = [n for n in ORDER if n in args.parts.split(",")]
     if args.out is None:
         args.out = (os.path.join(tempfile.gettempdir(), "gpu_session_selfcheck") if args.cpu_selfcheck
-                    else os.environ.get("OUT") or str(ROOT / "benchmarks" / "results" / "gpu"))
+                    else os.environ.get("OUT") or os.path.join(RESULTS, "gpu"))
     args.budget_s = args.budget_s or (1800 if args.cpu_selfcheck else BUDGET_S)
     if not args.cpu_selfcheck and not torch.cuda.is_available():
         p.error("no CUDA device: run on a GPU machine, or use --cpu-selfcheck")
-    args.command = " ".join(["python -m benchmarks.gpu_session"] + (argv if argv is not None else sys.argv[1:]))
+    args.command = " ".join(["python -m benchmarks.gpu.session"] + (argv if argv is not None else sys.argv[1:]))
     return args
 
 
@@ -97,13 +97,13 @@ def session_parts(args, kit) -> list[Part]:
                head_dim=16 if cpu else 128, dtype=dtype, device=device, tokens=tokens)
     rank = dict(configs=CONFIGS[size], layouts=LAYOUTS[size], head_dim=one["head_dim"], dtype=dtype, device=device)
     kwargs = {
-        "rank-128k": ("benchmarks.gpu_check_rank:rank_part", dict(rank, tokens=tokens, iters=1 if cpu else 3)),
-        "profile": ("benchmarks.gpu_session_probes:profile_part", dict(one, top=8 if cpu else 25)),
-        "syncdebug": ("benchmarks.gpu_session_probes:sync_part", one),
-        "transport": ("benchmarks.gpu_check_transport:transport_part", dict(device=device)),
-        "gpt": ("benchmarks.gpu_session_gpt:gpt_part",
+        "rank-128k": ("benchmarks.gpu.check_rank:rank_part", dict(rank, tokens=tokens, iters=1 if cpu else 3)),
+        "profile": ("benchmarks.gpu.session_probes:profile_part", dict(one, top=8 if cpu else 25)),
+        "syncdebug": ("benchmarks.gpu.session_probes:sync_part", one),
+        "transport": ("benchmarks.gpu.check_transport:transport_part", dict(device=device)),
+        "gpt": ("benchmarks.gpu.session_gpt:gpt_part",
                 dict(configs=[[4, 2]] if cpu else [[8, 2], [16, 4]], shape=GPT_TOY if cpu else {}, device="cuda:0")),
-        "rank-1m": ("benchmarks.gpu_check_rank:rank_part",
+        "rank-1m": ("benchmarks.gpu.check_rank:rank_part",
                     dict(rank, tokens=big, iters=0, warmup=False, fused=False)),
     }
     parts = {p.name: p for p in gpu_check.kit_parts(kit, ["accuracy", "timing"])}

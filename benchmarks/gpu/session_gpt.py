@@ -1,5 +1,5 @@
 """The fake-CUDA rehearsal's Megatron GPT training step on a real device (a part of
-``benchmarks/gpu_session.py``; child side).
+``benchmarks/gpu/session.py``; child side).
 
 ``tests/fake_cuda/megatron_step.py`` builds a GPT at production shapes (2 layers, hidden 4096,
 32/8 heads, FFN 14336, vocab 32000, 128K tokens) with the StarTrail layer spec from StarTrail's
@@ -26,7 +26,9 @@ from pathlib import Path
 
 import torch
 
-REHEARSAL = Path(__file__).resolve().parent / "results" / "fake_cuda_gpt_step.json"
+from benchmarks import RESULTS
+
+REHEARSAL = Path(RESULTS) / "fake_cuda_gpt_step.json"
 NAN = float("nan")
 
 
@@ -80,7 +82,7 @@ def rank_and_memory(cp: int, rank: int, device: torch.device):
         with fake_cuda_rank(rank, cp, stand_in_values=True), LiveStorages(device_type="cuda") as memory:
             yield memory
     else:
-        from benchmarks.gpu_check_rank import fake_rank  # noqa: PLC0415
+        from benchmarks.gpu.check_rank import fake_rank  # noqa: PLC0415
 
         with fake_rank(cp, rank):
             yield AllocatorMemory(device)

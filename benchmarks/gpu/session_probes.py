@@ -1,6 +1,6 @@
-"""Two looks inside one StarTrail rank (parts of ``benchmarks/gpu_session.py``; child side).
+"""Two looks inside one StarTrail rank (parts of ``benchmarks/gpu/session.py``; child side).
 
-Both run rank 1 of P on torch's fake process group (:func:`benchmarks.gpu_check_rank.fake_rank`:
+Both run rank 1 of P on torch's fake process group (:func:`benchmarks.gpu.check_rank.fake_rank`:
 communication returns at once, so this is one rank's compute):
 
 - ``profile_part``: one forward + backward after a warm-up under ``torch.profiler``: the top
@@ -22,8 +22,8 @@ import torch
 from torch.autograd import DeviceType
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from benchmarks.gpu_check_kernels import DTYPES, _timer
-from benchmarks.gpu_check_rank import fake_rank, layer_step, rank_inputs
+from benchmarks.gpu.check_kernels import DTYPES, _timer
+from benchmarks.gpu.check_rank import fake_rank, layer_step, rank_inputs
 from megatron_startrail import new_startrail_groups
 
 SYNC_WARNING = "called a synchronizing"  # torch's sync debug mode: "called a synchronizing CUDA operation"

@@ -1,6 +1,6 @@
-"""Committed GPU accuracy tables as rows a test can read: ``python -m benchmarks.gpu_tables``.
+"""Committed GPU accuracy tables as rows a test can read: ``python -m benchmarks.gpu.tables``.
 
-Reads the kit's Markdown accuracy tables (``benchmarks.gpu_check``'s "Block kernels vs
+Reads the kit's Markdown accuracy tables (``benchmarks.gpu.check``'s "Block kernels vs
 float64" section) and the efficient-adapter experiment (JSON lines) of a folder under
 ``benchmarks/results/gpu/`` and writes ``accuracy.json`` next to them: one row per measured
 (kernel, dtype, batch, call, head dims, heads) with its status. ``auto``'s per-device table
@@ -20,10 +20,11 @@ import json
 import os
 import re
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GPU_RESULTS = os.path.join(ROOT, "benchmarks", "results", "gpu")
+from benchmarks import RESULTS
 
-# max |error| / max |reference| per dtype: the kit's TOLERANCE (benchmarks/gpu_check_kernels.py)
+GPU_RESULTS = os.path.join(RESULTS, "gpu")
+
+# max |error| / max |reference| per dtype: the kit's TOLERANCE (benchmarks/gpu/check_kernels.py)
 TOLERANCE = {"fp32": 2e-5, "fp16": 4e-3, "bf16": 3e-2}
 JSONL_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 

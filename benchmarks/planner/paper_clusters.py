@@ -1,8 +1,8 @@
 """The planner on the StarTrail paper's clusters (Table 1, Figure 7): which of ring,
 StarTrail-2 and StarTrail-4 it predicts fastest, per cluster and workload.
 
-    python benchmarks/paper_clusters.py            # prints the Markdown tables
-    python benchmarks/paper_clusters.py --h100     # 2-16 H100 nodes, 128K-1M tokens
+    python -m benchmarks.planner.paper_clusters            # prints the Markdown tables
+    python -m benchmarks.planner.paper_clusters --h100     # 2-16 H100 nodes, 128K-1M tokens
 
 Nothing here is measured on these clusters (we have none of them); the links are public
 figures with stated efficiencies, and the clusters are the package's presets
@@ -24,13 +24,10 @@ change: the "layer" column adds that work at the same rate to both sides.
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_startrail.planning.cluster import GPU_OVERLAP, TCP_ETHERNET_EFFICIENCY, ClusterSpec, preset  # noqa: E402
-from megatron_startrail.planning.planner import BACKWARD_FLOPS_RATIO, Workload, predict  # noqa: E402
+from megatron_startrail.planning.cluster import GPU_OVERLAP, TCP_ETHERNET_EFFICIENCY, ClusterSpec, preset
+from megatron_startrail.planning.planner import BACKWARD_FLOPS_RATIO, Workload, predict
 
 ETHERNET_LINE_GBS = 12.5  # 100 Gbit/s
 CLUSTERS = {  # label: preset

@@ -1,13 +1,13 @@
-"""One rank of the attention benchmark (started by benchmarks/cluster_bench.py).
+"""One rank of the attention benchmark (started by benchmarks/testbed/cluster_bench.py).
 
 First measures the planner's inputs on this cluster (benchmarks/testbed/calibration.py). Then
 runs forward+backward of each configuration (timed iterations interleaved: round ``i``
 runs every configuration once) -- ``startrail_attn`` or PyTorch's ring
-attention (benchmarks/torch_cp_peer.py) -- times it, records per rank where the time of
+attention (benchmarks/testbed/torch_cp_peer.py) -- times it, records per rank where the time of
 each iteration went (a :class:`~megatron_startrail.timeline.Timeline`: blocked in which
 communication, the rest compute), measures the bytes kept for backward (saved tensors,
 the inputs q, k, v excluded) and, in one extra untimed iteration, the peak of live
-tensor bytes (``benchmarks/memory.py``), and reads two byte counts of what crossed node
+tensor bytes (``benchmarks/counters/memory.py``), and reads two byte counts of what crossed node
 boundaries during the timed iterations:
 the project's own accounting (P2P bytes to ranks of other nodes) and the kernel's
 counters of the node's inter-node interfaces (read by the first rank of each node from
@@ -30,10 +30,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from benchmarks.counters.memory import peak_live_bytes, saved_bytes
 from benchmarks.testbed.calibration import measure_cluster
 from benchmarks.testbed.netns_cluster import inter_node_links, node_tx_bytes
-from benchmarks.memory import peak_live_bytes, saved_bytes
-from benchmarks.torch_cp_peer import torch_ring_attn
+from benchmarks.testbed.torch_cp_peer import torch_ring_attn
 from megatron_startrail import new_startrail_groups, startrail_attn
 from megatron_startrail.timeline import Timeline
 

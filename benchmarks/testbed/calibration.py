@@ -1,6 +1,6 @@
 """The planner's inputs, measured on the emulated cluster by the benchmark ranks themselves.
 
-Run by every rank (benchmarks/attention_worker.py) before the configurations, all ranks
+Run by every rank (benchmarks/testbed/attention_worker.py) before the configurations, all ranks
 at once, each figure the median of 5 repeats (the machine is shared: one repeat can be hit
 by someone else's load), so each number is what a rank gets while every other rank is busy too -- the
 state the attention runs in. Nothing here looks at the attention's timings: the planner

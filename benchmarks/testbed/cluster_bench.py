@@ -1,10 +1,10 @@
 """Ring attention vs StarTrail on an emulated multi-node cluster (one command).
 
-    python benchmarks/cluster_bench.py --nodes 2 --ranks-per-node 4 --rate-mbit 100 \
+    python -m benchmarks.testbed.cluster_bench --nodes 2 --ranks-per-node 4 --rate-mbit 100 \
         --seq-length 8192 --heads 4 --head-dim 32 --configs ring startrail-2 ulysses-2xstartrail-2
 
 Builds the cluster (network namespaces, see netns_cluster.py; needs root), runs every
-configuration's attention forward+backward on every rank (benchmarks/attention_worker.py),
+configuration's attention forward+backward on every rank (benchmarks/testbed/attention_worker.py),
 and reports per configuration: median time per iteration, P2P and collective bytes per
 rank, bytes that crossed node boundaries (the project's accounting and the kernel's
 interface counters), sequential P2P steps and the bytes kept for backward. Results go to
@@ -26,17 +26,15 @@ import os
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-
-from benchmarks.testbed.netns_cluster import EmulatedCluster, check_requirements  # noqa: E402
-from benchmarks.testbed.peer_models import predict_torch_ring  # noqa: E402
-from benchmarks.testbed.ranking import check_ranking  # noqa: E402
-from benchmarks.testbed.testbed_model import testbed_cluster  # noqa: E402
-from benchmarks.timeline_report import phase_summary, phase_table, plot_timeline  # noqa: E402
-from megatron_startrail.planning.cluster import ClusterSpec  # noqa: E402
-from megatron_startrail.planning.planner import Workload, predict  # noqa: E402
-from megatron_startrail.topology import valid_team_sizes  # noqa: E402
+from benchmarks import RESULTS, ROOT
+from benchmarks.testbed.netns_cluster import EmulatedCluster, check_requirements
+from benchmarks.testbed.peer_models import predict_torch_ring
+from benchmarks.testbed.ranking import check_ranking
+from benchmarks.testbed.testbed_model import testbed_cluster
+from benchmarks.testbed.timeline_report import phase_summary, phase_table, plot_timeline
+from megatron_startrail.planning.cluster import ClusterSpec
+from megatron_startrail.planning.planner import Workload, predict
+from megatron_startrail.topology import valid_team_sizes
 
 
 def cluster_spec(args, rate_mbit: float, calibration: dict, gloo_rules: bool = True) -> ClusterSpec:
@@ -127,8 +125,8 @@ def run_once(args, rate_mbit: float, configs: list[dict]) -> list[dict]:
             "configs": configs, "warmup": args.warmup, "iters": args.iters, "output": out_path,
             "rate_mbit": rate_mbit or 10000.0, "calibration_s": args.calibration_seconds,
         }, open(spec_path, "w"))
-        cluster.run_ranks(args.ranks_per_node, [sys.executable, os.path.join(HERE, "attention_worker.py"), spec_path],
-                          {"PYTHONPATH": os.path.dirname(HERE)}, args.port, timeout=args.timeout)
+        cluster.run_ranks(args.ranks_per_node, [sys.executable, "-m", "benchmarks.testbed.attention_worker", spec_path],
+                          {"PYTHONPATH": ROOT}, args.port, timeout=args.timeout)
         results = json.load(open(out_path))
     for r in results:
         r["rate_mbit"] = rate_mbit
@@ -247,7 +245,7 @@ def parser() -> argparse.ArgumentParser:
                    help="loopback bandwidth per rank for the planner's model (GB/s)")
     p.add_argument("--port", type=int, default=29555)
     p.add_argument("--timeout", type=float, default=1800)
-    p.add_argument("--out", default=os.path.join(HERE, "results", "cluster_bench"))
+    p.add_argument("--out", default=os.path.join(RESULTS, "cluster_bench"))
     return p
 
 

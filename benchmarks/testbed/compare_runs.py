@@ -1,7 +1,7 @@
 """Median time per configuration and link rate, side by side over several runs of
-benchmarks/cluster_bench.py (e.g. the same command before and after a change, alternated).
+benchmarks/testbed/cluster_bench.py (e.g. the same command before and after a change, alternated).
 
-    python benchmarks/testbed/compare_runs.py A1.json B1.json A2.json B2.json --labels before pipelined before pipelined
+    python -m benchmarks.testbed.compare_runs A1.json B1.json A2.json B2.json --labels before pipelined before pipelined
 """
 
 from __future__ import annotations

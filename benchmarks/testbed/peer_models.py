@@ -1,4 +1,4 @@
-"""The planner's cost model applied to PyTorch's ring attention (benchmarks/torch_cp_peer.py),
+"""The planner's cost model applied to PyTorch's ring attention (benchmarks/testbed/torch_cp_peer.py),
 so that its row in the validation table has a prediction too.
 
 PyTorch's schedule (``_templated_ring_attention`` and its backward, load-balanced so every

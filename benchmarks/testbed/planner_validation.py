@@ -1,6 +1,6 @@
 """Planner vs measurement over several emulated clusters (the outputs of cluster_bench.py).
 
-    python benchmarks/testbed/planner_validation.py RUN1.json RUN2.json ... --out benchmarks/results/planner_validation
+    python -m benchmarks.testbed.planner_validation RUN1.json RUN2.json ... --out benchmarks/results/planner_validation
 
 Every run measured its own cluster first (calibration.py: effective link rates, step
 latency, attention rate under contention, overlap) and the planner priced every
@@ -18,13 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
-# The repository root (two levels up), so that ``benchmarks`` imports when run as a script.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-from benchmarks.cluster_bench import parser, predictions  # noqa: E402
-from benchmarks.testbed.ranking import MATERIAL_GAP, check_ranking  # noqa: E402
+from benchmarks.testbed.cluster_bench import parser, predictions
+from benchmarks.testbed.ranking import MATERIAL_GAP, check_ranking
 
 TOLERANCE = 0.20
 

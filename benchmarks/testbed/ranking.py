@@ -3,7 +3,7 @@
 Two configurations whose measured times are within the run's noise have no measured
 order, and a planner cannot be right or wrong about them. A pair has a *clear* measured
 order when one configuration was faster in every round of the run: the timed iterations
-are interleaved (benchmarks/attention_worker.py: round ``i`` runs every configuration
+are interleaved (benchmarks/testbed/attention_worker.py: round ``i`` runs every configuration
 once), so round ``i`` of two configurations saw the same machine load and link state.
 With 5 rounds, a pair of configurations that are really equal comes out clear by chance
 with probability 2/32. Older runs, timed one configuration after another, count a pair

@@ -1,6 +1,6 @@
 """Where each rank's time went, per configuration: a Markdown table and a Gantt-style plot.
 
-Input: the rows of benchmarks/cluster_bench.py, each with ``phase_seconds_per_rank``
+Input: the rows of benchmarks/testbed/cluster_bench.py, each with ``phase_seconds_per_rank``
 (seconds blocked per phase of the schedule, and ``compute``, the rest of the iteration)
 and ``spans_per_rank`` (``(op, start, end)`` relative to the iteration's start) of the
 median iteration, recorded by :class:`~megatron_startrail.timeline.Timeline`. PyTorch's

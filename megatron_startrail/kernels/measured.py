@@ -2,7 +2,7 @@
 
 A kernel enters a device's table for a class of attention layers only where a committed GPU
 table shows it PASS there (``benchmarks/results/gpu/*/accuracy.json``, made by
-``python -m benchmarks.gpu_tables`` from the kit's tables); each rule's reason cites its
+``python -m benchmarks.gpu.tables`` from the kit's tables); each rule's reason cites its
 figure and file. ``tests/test_measured_kernels.py`` holds the rules to those tables.
 
 A class is what changes which kernel is right or fast:

@@ -18,7 +18,7 @@ from .gpu_rates import H100_BLOCK_LOOP, H100_FA2_BLOCK_LOOP_VS_FA2, H100_FUSED_T
 # Assumed fractions of line rate that NCCL delivers (no cluster here to measure them):
 # NVLink and InfiniBand (RDMA) run close to line rate; 100 GbE through NCCL's TCP sockets
 # (no RDMA) far below it. GPU_OVERLAP: NCCL's kernels take SMs and memory bandwidth from
-# the attention kernel they overlap with. The second table of benchmarks/paper_clusters.py
+# the attention kernel they overlap with. The second table of benchmarks/planner/paper_clusters.py
 # shows how the predicted winners move with the last two.
 NVLINK_EFFICIENCY, IB_EFFICIENCY, TCP_ETHERNET_EFFICIENCY, GPU_OVERLAP = 0.9, 0.9, 0.5, 0.7
 # The A100's FA2 rate has no measurement here: an assumption (the A100 presets' kernel).

@@ -57,12 +57,12 @@ landing comes after the sub-ring with rotation "kv" (the team's query side freed
 never at its peak. The forward call is one call's output and lse and the merge's float32 copy of that output
 (:func:`megatron_startrail.blocks.merge_lse_`): ``Eo (e + a) + 2 El a`` for ring attention,
 whose calls take a rank's two chunks at once, half that in a team (one chunk per call).
-``benchmarks/fake_cuda_memory.py`` measures all of it at GPU scale on fake CUDA (which charges
+``benchmarks/counters/fake_cuda_memory.py`` measures all of it at GPU scale on fake CUDA (which charges
 each fused op's workspace for the op's duration), and tests/test_memory_model.py holds the model
 to one H100's peaks (within 0.1% there: the backward peaks at a kernel call, with its
 workspace). ``kernel="auto"`` is what the attention picks on an H100 with torch's own kernels
 (FlashAttention-2 for bf16); the CPU kernels' workspace is not modelled, nor are backend buffers
-(gloo's staging copies of collectives): ``benchmarks/memory.py`` measures them, and the tests
+(gloo's staging copies of collectives): ``benchmarks/counters/memory.py`` measures them, and the tests
 bound the model's error against it.
 
 Note [the Ulysses output kept]

@@ -21,7 +21,7 @@ of one head dim ``dim`` (the kernels that need one head dim pad V to it), inputs
                                                         h x rows_q (cuDNN >= 9: no dP workspace)
     torch_cuda_efficient   [d > 128] out accumulator    grad-Q accumulator fp32 over 64-row, 64-column tiles
                            fp32 rows_q x h x d          + delta fp32 h x rows_q (torch's)
-    torch_cpu_flash,       not modelled (the CPU heap harness, benchmarks/peak_memory.py, bounds them)
+    torch_cpu_flash,       not modelled (the CPU heap harness, benchmarks/counters/peak_memory.py, bounds them)
     reference
 
 The per-sequence adapters (cuDNN, efficient) run a call's runs one at a time, so the largest

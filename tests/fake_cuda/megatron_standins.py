@@ -31,7 +31,7 @@ def megatron_on_fake_cuda() -> None:
 
 def megatron_on_fake_group() -> None:
     """What Megatron needs of torch's fake process group, on fake CUDA or a real device (the
-    GPU session's GPT step, ``benchmarks/gpu_session_gpt.py``): objects gathered as this rank's,
+    GPU session's GPT step, ``benchmarks/gpu/session_gpt.py``): objects gathered as this rank's,
     bucket collectives one by one, the grad norm on the device."""
     if _installed:
         return

@@ -220,7 +220,7 @@ def run(opts, cp: int, team: int) -> dict:
 def step_facts(opts, config, memory) -> dict:
     """Builds the model and runs one training step as rank ``opts.rank`` of ``opts.cp`` (the
     process group made by the caller: fake CUDA's here, a real device's in
-    ``benchmarks/gpu_session_gpt.py``); ``memory`` has ``live``, ``peak``, ``reset_peak()`` and
+    ``benchmarks/gpu/session_gpt.py``); ``memory`` has ``live``, ``peak``, ``reset_peak()`` and
     ``live_by_op()`` (:class:`tests.fake_cuda.memory.LiveStorages` or the CUDA allocator's)."""
     cp, team = opts.cp, opts.team
     parallel_state.initialize_model_parallel(context_parallel_size=cp, create_gloo_process_groups=False)

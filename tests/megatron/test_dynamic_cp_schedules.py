@@ -1,5 +1,5 @@
 """Every hybrid CP schedule lands on Megatron's aligned groups (megatron/aligned_schedule.py),
-and the offline simulator of benchmarks/dynamic_cp_schedules.py, reduced for CI."""
+and the offline simulator of benchmarks/dynamic_cp/schedules.py, reduced for CI."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ cpu_patches.install_import_shims()  # megatron.core without triton on a CPU
 from megatron.core.datasets import data_schedule  # noqa: E402
 from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler  # noqa: E402
 
-from benchmarks.dynamic_cp_schedules import simulate  # noqa: E402
+from benchmarks.dynamic_cp.schedules import simulate  # noqa: E402
 from megatron_startrail.megatron import dynamic_cp  # noqa: E402
 from megatron_startrail.megatron.aligned_schedule import (  # noqa: E402
     AlignedCPScheduler,
@@ -74,7 +74,7 @@ def test_reduced_simulation_every_batch_runs_with_the_aligned_fill(setting):
 def test_the_simulators_unfixed_schedule_is_megatrons_own():
     # The simulator reads Megatron's phases inside AlignedCPScheduler; they are what
     # BalancedCPScheduler alone returns (its fill moves no sub-sample across phases).
-    from benchmarks.dynamic_cp_schedules import DISTRIBUTIONS, global_batch  # noqa: PLC0415
+    from benchmarks.dynamic_cp.schedules import DISTRIBUTIONS, global_batch  # noqa: PLC0415
     import random  # noqa: PLC0415
 
     class Recording(AlignedCPScheduler):

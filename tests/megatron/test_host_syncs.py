@@ -10,7 +10,7 @@ own frames (Megatron's own are Megatron's business), with a TorchFunctionMode.
 A host-to-device copy (``torch.tensor(list, device=cuda)``, ``.to(cuda)`` of a CPU tensor, a
 list used as an index) is one too where it is blocking, and a launch where it is not. CPU
 tensors cannot show those either, so the second test runs one rank of P = 8 at full size on
-the ``meta`` device (torch's fake process group, as benchmarks/launch_budget.py does) and counts
+the ``meta`` device (torch's fake process group, as benchmarks/counters/launch_budget.py does) and counts
 every tensor built on the device from host data and every copy from the CPU to the device,
 per layer and per micro-batch (:class:`DeviceCopyCounter`).
 """
@@ -238,7 +238,7 @@ def count_copies(layout: str | None, rank: int = 1):
     """Per micro-batch, per layer: (copies, syncs) of rank ``rank`` of P = 8, C = 2 on the meta
     device; ``layout`` None (dense), "sample" (cu_seqlens) or "document" (and cu_seqlens_padded).
     Every micro-batch has new documents and new cu_seqlens tensors, as Megatron makes them."""
-    from benchmarks.launch_budget import fake_rank, lognormal_documents  # noqa: PLC0415
+    from benchmarks.counters.launch_budget import fake_rank, lognormal_documents  # noqa: PLC0415
     from megatron_startrail import new_startrail_groups, startrail_attn  # noqa: PLC0415
     from megatron_startrail.comm import CommStats  # noqa: PLC0415
     from megatron_startrail.documents import agree_on_documents  # noqa: PLC0415

@@ -1,7 +1,7 @@
-"""The model-level differential fuzzer (benchmarks/model_fuzz.py) in the suite: a fixed slice of
+"""The model-level differential fuzzer (benchmarks/accuracy/model_fuzz.py) in the suite: a fixed slice of
 draws that covers the call protocols and the features whose state outlives a call, plus draws
 from a seed derived from the commit, printed so that a failure reproduces
-(``python -m benchmarks.model_fuzz --seed SEED --first I --draws 1``). No draw may differ from
+(``python -m benchmarks.accuracy.model_fuzz --seed SEED --first I --draws 1``). No draw may differ from
 CP = 1 or fail; a refusal by name and a configuration the CP = 1 reference cannot run are fine.
 """
 
@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from benchmarks import model_fuzz
+from benchmarks.accuracy import model_fuzz
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MAIN_SEED = 20261127  # the seed of the committed table, benchmarks/results/model_fuzz.md
@@ -51,7 +51,7 @@ def _check(seed: int, index: int, documents: str):
     print(f"model fuzz {result['name']}: {result['status']} ({', '.join(result['features'])}) "
           f"{result.get('grad_error', '')} {result.get('reason') or ''}"[:400])
     assert result["status"] in ("exact", "refused", "skipped"), (
-        f"draw {seed}:{index} {result['status']}: reproduce with python -m benchmarks.model_fuzz --seed {seed} "
+        f"draw {seed}:{index} {result['status']}: reproduce with python -m benchmarks.accuracy.model_fuzz --seed {seed} "
         f"--first {index} --draws 1 --no-write", result)
     return result
 

@@ -16,7 +16,7 @@ import warnings
 
 import pytest
 
-from benchmarks import model_fuzz
+from benchmarks.accuracy import model_fuzz
 from tests.megatron.example import run_example_rank
 from tests.megatron.test_pretrain_example import COMMON, LOG_LINE
 from tests.megatron.utils import assert_first_step_grads_match, record_first_step_grads
@@ -227,7 +227,7 @@ def test_hybrid_context_parallelism_with_full_recomputation_trains_as_cp1(tmp_pa
 
 # --- recomputation with sequence parallelism and with MoE (issue 51, item 4) ------------------
 # Every parameter's first-step gradient, per TP / EP rank, and 4 losses against CP = 1 with the
-# same TP / EP and recomputation (benchmarks/model_fuzz.run_draw: relative 1e-5). On 9ee7a82
+# same TP / EP and recomputation (benchmarks/accuracy/model_fuzz.run_draw: relative 1e-5). On 9ee7a82
 # these failed at CP = 1 already: the recomputed SP all-gather / MoE all-to-all allocated on
 # "cuda" outside the CPU patches' device mode, and the layernorm checkpoint needed Transformer
 # Engine (both fixed in megatron/cpu_patches.py).
