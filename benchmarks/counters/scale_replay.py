@@ -52,7 +52,7 @@ from megatron_startrail.kernels.reference import ReferenceKernel
 from megatron_startrail.nccl_replay import replay
 from megatron_startrail.topology import valid_team_sizes
 
-RESULTS = os.path.join(benchmarks.RESULTS, "scale_replay.md")
+RESULTS = os.path.join(benchmarks.ROOT, "benchmarks/results/scale_replay.md")
 
 
 @dataclasses.dataclass(frozen=True)
