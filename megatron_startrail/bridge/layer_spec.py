@@ -38,7 +38,7 @@ from ..config import StarTrailConfig
 from ..megatron.built_groups import startrail_groups_once
 from ..megatron.from_args import describe_groups, nccl_comm_cfgs_from_path
 from ..megatron.layer_specs import to_startrail_spec
-from ..megatron.mtp_roll import install_startrail_mtp_roll
+from ..megatron.mtp import install_startrail_mtp
 from ..megatron.parallel_state import DEFAULT_ORDER
 from .checks import StarTrailBridgeError, check_provider
 from .packed_layout import BRIDGE_ATTENTION
@@ -66,7 +66,7 @@ class StarTrailLayerSpec:
                     "then builds the MTP layer from Megatron's own spec, without StarTrail; change "
                     "model.pipeline_model_parallel_layout (or the layers per stage) so the MTP stage holds a decoder "
                     "layer")
-            install_startrail_mtp_roll()  # MTP's label roll across CP ranks, as at CP = 1 (mtp_roll.py)
+            install_startrail_mtp()  # MTP's label roll and loss across CP ranks, as at CP = 1 (mtp.py)
         groups, built_now = startrail_groups_once(self.group_options(provider))
         if built_now and dist.get_rank() == 0:
             print(f"> startrail (Megatron-Bridge): {describe_groups(groups)}", flush=True)

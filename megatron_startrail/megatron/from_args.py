@@ -33,7 +33,7 @@ from .built_groups import startrail_groups_once
 from .dynamic_cp import DynamicCPGroups
 from .hybrid_specs import check_startrail_hybrid_pattern, to_startrail_hybrid_spec
 from .layer_specs import to_startrail_spec
-from .mtp_roll import install_startrail_mtp_roll
+from .mtp import install_startrail_mtp
 
 
 def megatron_rank_order(args) -> str:
@@ -65,8 +65,8 @@ def startrail_groups_from_args(args) -> StarTrailGroups | DynamicCPGroups:
     dynamic = getattr(args, "hybrid_context_parallel", False)  # a set of groups per CP size (dynamic_cp.py)
     if dynamic:
         options["team_sizes"] = getattr(args, "startrail_dynamic_team_sizes", None)
-    if getattr(args, "mtp_num_layers", None):  # MTP trains as at CP = 1 (mtp_roll.py)
-        install_startrail_mtp_roll()
+    if getattr(args, "mtp_num_layers", None):  # MTP trains as at CP = 1 (mtp.py)
+        install_startrail_mtp()
     groups, built_now = startrail_groups_once(options, dynamic=dynamic)
     if built_now and dist.get_rank() == 0:
         by = getattr(args, "startrail_dynamic_team_sizes_by", None) if dynamic else None

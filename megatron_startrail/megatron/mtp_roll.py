@@ -2,9 +2,9 @@
 
 Megatron rolls the labels, the loss mask, the input ids and the position ids one token left for
 each MTP depth (``multi_token_prediction.roll_tensor``). megatron-core 0.19.2 gets two things
-different from CP = 1 here, whatever the attention; :func:`install_startrail_mtp_roll` (called
-when StarTrail's groups are built for a model with MTP) replaces ``roll_tensor`` with
-:func:`startrail_roll_tensor`, which fixes both:
+different from CP = 1 here, whatever the attention; :func:`install_startrail_mtp_roll` (through
+mtp.py's ``install_startrail_mtp``, when StarTrail's groups are built for a model with MTP)
+replaces ``roll_tensor`` with :func:`startrail_roll_tensor`, which fixes both:
 
 - **The target count.** Each CP rank divides its MTP loss by its *own* count of rolled targets,
   then DDP averages over DP x CP: the CP rank holding the sequence's last token (rolled out)
@@ -128,13 +128,10 @@ def startrail_roll_tensor(tensor, shifts=-1, dims=-1, cp_group=None, packed_seq_
 
 def install_startrail_mtp_roll() -> None:
     """Replace megatron-core's ``multi_token_prediction.roll_tensor`` with
-    :func:`startrail_roll_tensor` (Megatron's is kept as ``_startrail_megatron_roll_tensor``)
-    and its ``process_mtp_loss`` with mtp_loss.py's, which hands the roll the stand-ins it
-    needs (idempotent)."""
-    from .mtp_loss import install_startrail_mtp_loss  # noqa: PLC0415 - mtp_loss imports this module
-
+    :func:`startrail_roll_tensor` (Megatron's is kept as ``_startrail_megatron_roll_tensor``;
+    idempotent). The roll alone: mtp.py's ``install_startrail_mtp`` installs it with the loss
+    (mtp_loss.py), which hands the roll the stand-ins it needs."""
     mtp = _megatron_mtp()
     if getattr(mtp, "_startrail_megatron_roll_tensor", None) is None:
         mtp._startrail_megatron_roll_tensor = mtp.roll_tensor
         mtp.roll_tensor = startrail_roll_tensor
-    install_startrail_mtp_loss()

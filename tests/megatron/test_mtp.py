@@ -122,13 +122,17 @@ def test_mtp_on_packed_documents_with_startrail_cp4_logs_the_losses_and_gradient
 
 
 def test_the_mtp_roll_is_installed_by_the_groups_and_keeps_megatrons_for_cp1():
+    from megatron.core.models.gpt import gpt_model  # noqa: PLC0415
     from megatron.core.transformer import multi_token_prediction as mtp  # noqa: PLC0415
 
-    from megatron_startrail.megatron.mtp_roll import install_startrail_mtp_roll, startrail_roll_tensor  # noqa: PLC0415
+    from megatron_startrail.megatron.mtp import install_startrail_mtp  # noqa: PLC0415
+    from megatron_startrail.megatron.mtp_loss import startrail_process_mtp_loss  # noqa: PLC0415
+    from megatron_startrail.megatron.mtp_roll import startrail_roll_tensor  # noqa: PLC0415
 
-    install_startrail_mtp_roll()
-    install_startrail_mtp_roll()  # idempotent
+    install_startrail_mtp()
+    install_startrail_mtp()  # idempotent
     assert mtp.roll_tensor is startrail_roll_tensor
+    assert mtp.process_mtp_loss is gpt_model.process_mtp_loss is startrail_process_mtp_loss
     import torch  # noqa: PLC0415
 
     x = torch.arange(1.0, 9.0).view(1, 8)

@@ -29,7 +29,7 @@ from tests.packed_cases import PAD, document_of_positions, held_positions
 from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
 from megatron.core.transformer import multi_token_prediction as mtp  # noqa: E402
 
-from megatron_startrail.megatron.mtp_roll import install_startrail_mtp_roll  # noqa: E402
+from megatron_startrail.megatron.mtp import install_startrail_mtp  # noqa: E402
 
 HIDDEN, VOCAB, DEPTHS = 8, 16, 2
 LENGTHS = [5, 9, 0, 7, 11]  # 32 tokens; an empty document; position 20 ends the fourth
@@ -173,7 +173,7 @@ def case_errors(rank, cp_group, layout, kind, per_token, inputs, seed):
 
 def loss_rank(rank, world_size):
     Utils.initialize_model_parallel(context_parallel_size=world_size)
-    install_startrail_mtp_roll()
+    install_startrail_mtp()
     cp_group = parallel_state.get_context_parallel_group()
     cases = [(layout, kind, per_token, inputs) for layout in LAYOUTS for per_token in (True, False)
              for kind, inputs in [(kind, "labels") for kind in MASKS] + [("eod", "input ids"), ("prompt", "input ids")]
@@ -196,7 +196,7 @@ def test_mtp_loss_gives_cp1s_gradients_and_logs_under_uneven_masks(cp):
 def prompt_mask_rank(rank, world_size):
     """The masked-prompt case at CP2 holds what it is for: a rank with no loss token and a rolled target."""
     Utils.initialize_model_parallel(context_parallel_size=world_size)
-    install_startrail_mtp_roll()
+    install_startrail_mtp()
     cp_group = parallel_state.get_context_parallel_group()
     tensors, real_row = sample("dense", "prompt", world_size, 1)
     held = held_positions(rank, world_size, torch.tensor([0, real_row.numel()]), None)
