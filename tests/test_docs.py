@@ -6,8 +6,6 @@ every cited Markdown file, and every cited section of docs/design.md, real.
 
 import os
 import re
-import subprocess
-import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SKIP_DIRS = {"__pycache__", "build", "dist"}
@@ -57,14 +55,9 @@ def test_readme_links_the_design_notes():
         assert "](docs/design.md)" in f.read()
 
 
-# -- links and commands of the Markdown docs ------------------------------------------------
+# -- links of the Markdown docs (their commands: tests/test_documented_commands.py) ------------------------------------------------
 
 LINK = re.compile(r"\]\(([^)\s]+)\)")
-FENCE = re.compile(r"```[a-z]*\n(.*?)```", re.S)
-# What a docs command runs; scripts/run_main_job.sh passes its extra flags to the example.
-SCRIPT = re.compile(r"(examples/[\w/]+\.py|benchmarks/[\w/]+\.py|scripts/run_main_job\.sh|"
-                    r"-m megatron_startrail\.planning(?:\.dynamic_cp)?)")
-FLAG = re.compile(r"(?<![\w-])--[a-z0-9][a-z0-9-]*")
 
 
 def markdown_docs():
@@ -98,52 +91,3 @@ def test_every_relative_link_and_anchor_resolves():
             elif anchor and full.endswith(".md") and anchor not in anchors(full):
                 broken.append(f"{rel}: {target} (no such heading)")
     assert not broken, broken
-
-
-# Prints each script's ``--help``, all in one process (torch and Megatron imported once):
-# argv[1:] are the scripts, a line "=== script" before each help text.
-HELP_ALL = """
-import contextlib, io, runpy, sys
-for script in sys.argv[1:]:
-    target = "examples/pretrain_gpt.py" if script == "scripts/run_main_job.sh" else script
-    sys.argv = [target, "--help"]
-    text = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(text):
-            if target.startswith("-m "):
-                runpy.run_module(target[3:], run_name="__main__", alter_sys=True)
-            else:
-                runpy.run_path(target, run_name="__main__")
-    except SystemExit as stop:
-        assert stop.code in (0, None), (script, stop.code)
-    print("=== " + script)
-    print(text.getvalue())
-"""
-
-
-def _accepted_flags(scripts: list[str]) -> dict[str, set[str]]:
-    """Every option of each script's own parser, read from its ``--help``."""
-    proc = subprocess.run([sys.executable, "-c", HELP_ALL, *scripts], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    helps = dict(part.split("\n", 1) for part in proc.stdout.split("=== ")[1:])
-    assert sorted(helps) == sorted(scripts), sorted(helps)
-    return {script: set(FLAG.findall(text)) for script, text in helps.items()}
-
-
-def test_every_flag_in_a_docs_command_is_accepted_by_its_parser():
-    """A command shown in the docs (README, docs/, benchmarks/) runs as shown: each --flag after
-    the script is one the script's parser knows (for the example: Megatron's and StarTrail's)."""
-    commands = []
-    for rel, text in markdown_docs():
-        for block in FENCE.findall(text):
-            for line in block.replace("\\\n", " ").splitlines():
-                found = SCRIPT.search(line)
-                if found:
-                    commands.append((rel, found.group(1), FLAG.findall(line[found.end():])))
-    scripts = {script for _, script, _ in commands}
-    assert "examples/pretrain_gpt.py" in scripts, "the README's GPU command is no longer found"
-    accepted = _accepted_flags(sorted(scripts))
-    unknown = [f"{rel}: {script} {flag}" for rel, script, flags in commands for flag in flags
-               if flag not in accepted[script]]
-    assert not unknown, unknown

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -24,7 +25,8 @@ def test_session_selfcheck_runs_every_part(tmp_path):
     parts = list(gpu_session.ORDER)
     if why_not_buildable() is not None:  # the GPT part's self-check runs on fake CUDA
         parts.remove("gpt")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # The script runs $PYTHON (else python3 from PATH): this test's own interpreter, venv or not.
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHON=sys.executable)
     proc = subprocess.run(["bash", "scripts/gpu_session.sh", "--cpu-selfcheck", "--out", str(tmp_path),
                            "--parts", ",".join(parts)], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=1800)

@@ -12,6 +12,7 @@ inter-node interfaces sent during the timed steps (local rank 0 of a node; from
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import importlib.util
 import io
@@ -84,4 +85,6 @@ def main(spec_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("spec", help="the JSON file dynamic_cp/bench.py writes for this configuration")
+    main(parser.parse_args().spec)

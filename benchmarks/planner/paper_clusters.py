@@ -23,8 +23,8 @@ change: the "layer" column adds that work at the same rate to both sides.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
-import sys
 
 from megatron_startrail.planning.cluster import GPU_OVERLAP, TCP_ETHERNET_EFFICIENCY, ClusterSpec, preset
 from megatron_startrail.planning.planner import BACKWARD_FLOPS_RATIO, Workload, predict
@@ -94,7 +94,9 @@ def h100_table() -> None:
 
 
 def main() -> None:
-    if "--h100" in sys.argv:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--h100", action="store_true", help="2-16 H100 nodes at 128K-1M tokens instead of the paper's clusters")
+    if parser.parse_args().h100:
         h100_table()
         return
     print("| cluster (32 GPUs) | workload | ring ms | StarTrail-2 ms | StarTrail-4 ms | predicted winner | "
