@@ -31,7 +31,7 @@ JSONL_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 def kit_sequences(seq: int) -> list[tuple[int, int]]:
     """The (query rows, key rows) of the kit's accuracy call at 9ee7a82
-    (``gpu_check_kernels.varlen_call``): three sequences, never fewer keys than queries."""
+    (``benchmarks.gpu.check_kernels.varlen_call``): three sequences, never fewer keys than queries."""
     return [(seq, seq), (seq // 2 + 3, seq + 5), (seq - 7, seq + 1)]
 
 
