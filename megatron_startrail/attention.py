@@ -176,6 +176,7 @@ class _StarTrailAttention(torch.autograd.Function):
             return out
         best = max_logits.finish(best, scale)  # [h] of the heads this rank attends
         ctx.mark_non_differentiable(best)
+        ctx.set_materialize_grads(False)  # no zeros made for max_logit's gradient (dout always comes)
         return out, best
 
     @staticmethod

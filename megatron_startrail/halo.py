@@ -146,6 +146,7 @@ class _HaloAttention(torch.autograd.Function):
             return out
         best = max_logits.finish(best, scale)
         ctx.mark_non_differentiable(best)
+        ctx.set_materialize_grads(False)  # no zeros made for max_logit's gradient (dout always comes)
         return out, best
 
     @staticmethod
