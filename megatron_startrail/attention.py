@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 
 from . import blocks
+from . import max_logit as max_logits
 from .accounting import AttentionShape, choose_backward_rotation
 from .comm import CommStats, Communicator
 from .documents import agree_on_documents
@@ -59,10 +60,11 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def _sub_ring_forward(comm, groups, docs, kernel, transfer, q_team, kv_init: PieceTransfer, *, causal, scale,
-                      window=None):
+                      window=None, max_logit=None):
     """Phase 3 (paper Alg. 3): the team's queries against the K, V circulating in the
     sub-ring, step 0 attending to each piece of the initial send as it lands; returns the
-    partial ``acc_out [b, h, C*n, dv]``, ``acc_lse [b, h, C*n]``."""
+    partial ``acc_out [b, h, C*n, dv]``, ``acc_lse [b, h, C*n]``. ``max_logit [h]``: raised
+    by every call's largest ``q . k`` (:mod:`.max_logit`)."""
     topo, pos = groups.topology, groups.startrail_rank
     rows = q_team.shape[0]
     fresh = blocks.FreshRows(rows)  # Note [fresh rows] in blocks.py
@@ -78,7 +80,7 @@ def _sub_ring_forward(comm, groups, docs, kernel, transfer, q_team, kv_init: Pie
             k_segments = kv_rot.part_segments(lane.origin(pos, step), lane_index, kv_rows)
             blocks.forward_step(kernel, q_team, kv, q_segments, k_segments, acc_out, acc_lse,
                                 causal=causal, scale=scale, window=window, max_rows=rows // groups.team_size,
-                                fresh=fresh)
+                                fresh=fresh, max_logit=max_logit)
 
     rotate(comm, kv_rot.lanes, pos, kv_rot.split([kv_init.tensor]), attend, op="sub_ring",
            pieces=kv_rot.pieces(kv_init))
@@ -135,19 +137,23 @@ class _StarTrailAttention(torch.autograd.Function):
     (``C`` and ``2C`` times this rank's share), or, with ``regather`` (and always when
     phases 1-2 move nothing), only this rank's q, k, v, like ring attention; the backward
     then re-runs phases 1-2.
+
+    With ``max_logit`` the forward returns ``(out, max_logit [h])`` too: the largest scaled
+    logit per head of this rank's kernel calls (:mod:`.max_logit`; not differentiable).
     """
 
     @staticmethod
     def forward(ctx, q, k, v, sink, groups: StarTrailGroups, docs, causal, scale, rotation, transfer, regather,
-                fwd_stats, bwd_stats, timeline, window):
+                fwd_stats, bwd_stats, timeline, window, max_logit=False):
         # q [n, b, h, dqk], k [n, b, hkv, dqk], v [n, b, hkv, dv]; n = len(my chunks) * L;
         # sink [h] or None (attention sinks of these heads, :mod:`.sinks`)
         kernel = layer_kernel(q, k, v, groups, docs, causal, window)
         comm = Communicator(fwd_stats, groups.transports_on(q.device)[0], timeline)
         q_team, kv_init = gather_team_and_send(comm, groups, q, k, v, gather_op="team_all_gather",
                                                 send_op="init_send")
+        best = max_logits.new_accumulator(q) if max_logit else None
         partials = list(_sub_ring_forward(comm, groups, docs, kernel, transfer, q_team, kv_init, causal=causal,
-                                          scale=scale, window=window))
+                                          scale=scale, window=window, max_logit=best))
         ctx.regather = regather or regathers_for_free(groups)
         # What the backward does not take is freed before the merge (peak memory): the team's
         # Q unless rotation "kv" keeps it, the initial send's K, V when regathering; the
@@ -166,10 +172,15 @@ class _StarTrailAttention(torch.autograd.Function):
         ctx.groups, ctx.docs, ctx.causal, ctx.scale, ctx.kernel = groups, docs, causal, scale, kernel
         ctx.rotation, ctx.transfer, ctx.bwd_stats, ctx.timeline = rotation, transfer, bwd_stats, timeline
         ctx.window, ctx.sink = window, sink
-        return out
+        if best is None:
+            return out
+        best = max_logits.finish(best, scale)  # [h] of the heads this rank attends
+        ctx.mark_non_differentiable(best)
+        ctx.set_materialize_grads(False)  # no zeros made for max_logit's gradient (dout always comes)
+        return out, best
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, dout, *_):  # no gradient for max_logit
         # Unpacked once: saved-tensor hooks run at every read, and some allow one (torch's
         # non-reentrant checkpoint raises on a second; offloading would copy twice).
         saved = list(ctx.saved_tensors)
@@ -177,7 +188,7 @@ class _StarTrailAttention(torch.autograd.Function):
         if ctx.needs_input_grad[3]:  # from out', lse' as saved (the last two), before the backward frees them
             dsink = sink_grad(dout, saved[-2], saved[-1], ctx.sink)
         dq, dk, dv = (backward_q if ctx.rotation == "q" else backward_kv)(ctx, dout, saved)
-        return (dq, dk, dv, dsink) + (None,) * 11
+        return (dq, dk, dv, dsink) + (None,) * 12
 
 
 def _window(window_size, causal: bool) -> tuple[int, int] | None:
@@ -252,7 +263,8 @@ def startrail_attn(
     window_size: tuple[int, int] | None = None,
     halo_exchange: bool = True,
     softmax_offset: torch.Tensor | None = None,
-) -> torch.Tensor:
+    return_max_logit: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact softmax attention over the whole context-parallel group.
 
     ``q [s_local, b, heads, dim]``, ``k``/``v`` ``[s_local, b, kv_heads, dim]`` in
@@ -298,6 +310,14 @@ def startrail_attn(
 
     ``softmax_offset [heads]``: attention sinks, a logit per head added to every row's softmax
     denominator (Megatron's ``--softmax-type``; :mod:`megatron_startrail.sinks`).
+
+    ``return_max_logit=True`` returns ``(out, max_logit)``, as Transformer Engine's attention
+    does for Megatron's QK-clip: ``max_logit [heads]`` (float32; float64 for float64 inputs,
+    no gradient) is per head the largest ``softmax_scale * q . k`` over the pairs the mask lets
+    through that this rank's kernel calls attended (sinks are not logits). This rank's pairs
+    and the other CP ranks' are every pair once, so the MAX over the CP group is the whole
+    sequence's (Megatron's ``clip_qk`` takes it over DP x CP); heads this rank does not attend
+    after a Ulysses all-to-all are -inf (:mod:`megatron_startrail.max_logit`).
     """
     transfer, regather_in_backward = _settings(groups, transfer, regather_in_backward)
     thd = cu_seqlens is not None and q.dim() == 3
@@ -312,8 +332,10 @@ def startrail_attn(
                               cp_group)
     out = _attend(q, k, v, softmax_offset, groups, docs, stats, timeline, causal=causal, scale=scale,
                   transfer=transfer, regather=bool(regather_in_backward), window=_window(window_size, causal),
-                  halo=halo_exchange)
-    return out.squeeze(1) if thd else out
+                  halo=halo_exchange, max_logit=return_max_logit)
+    out, best = out if return_max_logit else (out, None)
+    out = out.squeeze(1) if thd else out
+    return (out, best) if return_max_logit else out
 
 
 def _settings(groups: StarTrailGroups, transfer, regather_in_backward) -> tuple[str, bool]:
@@ -336,21 +358,27 @@ def _backward_rotation(groups: StarTrailGroups, q, k, v) -> str:
     return choose_backward_rotation(shape, groups.ulysses_size, groups.team_size)
 
 
-def _attend(q, k, v, sink, groups, docs, stats, timeline, *, causal, scale, transfer, regather, window, halo):
+def _attend(q, k, v, sink, groups, docs, stats, timeline, *, causal, scale, transfer, regather, window, halo,
+            max_logit=False):
     """The halo exchange where every window reaches only the CP neighbours, else (around the
-    Ulysses all-to-alls) :class:`_StarTrailAttention`; ``[n, b, h, dv]``. ``sink [h]`` or None."""
+    Ulysses all-to-alls) :class:`_StarTrailAttention`; ``[n, b, h, dv]``. ``sink [h]`` or None.
+    With ``max_logit``: ``(out, max_logit [h])`` (:func:`startrail_attn`)."""
     fwd_stats, bwd_stats = stats
     plan = halo_plan(docs, window, causal, groups.cp_rank) if window is not None and halo else None
     if plan is not None:  # exchange just the keys the windows reach
         kernel = layer_kernel(q, k, v, groups, docs, causal, window)
         return halo_attn(q, k, v, sink, groups, docs, plan, window, causal, scale, kernel, fwd_stats, bwd_stats,
-                         timeline)
+                         timeline, max_logit)
     rotation = _backward_rotation(groups, q, k, v)
     sink = local_sink(sink, q.shape[2], groups.ulysses_size, groups.ulysses_rank)  # this rank's heads after Ulysses
+    heads = q.shape[2]  # before the Ulysses all-to-all
     if groups.ulysses_size > 1:
         q, k, v = gather_sequence(q, k, v, groups, fwd_stats, bwd_stats, timeline)
     out = _StarTrailAttention.apply(q, k, v, sink, groups, docs, causal, scale, rotation, transfer, regather,
-                                    fwd_stats, bwd_stats, timeline, window)
+                                    fwd_stats, bwd_stats, timeline, window, max_logit)
+    out, best = out if max_logit else (out, None)
     if groups.ulysses_size > 1:
         out = scatter_sequence(out, groups, fwd_stats, bwd_stats, timeline)
-    return out
+        if best is not None:  # this rank's heads into their places among all of them
+            best = max_logits.place_heads(best, heads, groups.ulysses_size, groups.ulysses_rank)
+    return (out, best) if max_logit else out

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from . import max_logit as max_logits
 from .kernels import BlockKernel
 from .layout import KernelCall, Segment
 from .microbatch import device_calls
@@ -219,14 +220,19 @@ def forward_step(
     window: tuple[int, int] | None = None,
     max_rows: int | None = None,
     fresh: FreshRows | None = None,
+    max_logit: torch.Tensor | None = None,
 ) -> None:
     """Attend ``q`` to ``kv`` and merge into ``acc_out [b, h, Sq, dv]`` / ``acc_lse [b, h, Sq]``
     (at most ``max_rows`` query and key rows per kernel call); ``fresh``: the accumulators'
-    rows no call has written yet (Note [fresh rows])."""
+    rows no call has written yet (Note [fresh rows]). ``max_logit [h]``: the running largest
+    unscaled ``q . k`` per head, raised by each call's pairs (:mod:`megatron_startrail.max_logit`)."""
     dqk = q.shape[-1]
     for call in device_calls(q_segments, k_segments, causal, window, max_rows, q.device, q.shape[1]):
-        kvs = _rows(kv, call, "k")
-        out, lse = kernel.forward(_rows(q, call, "q"), kvs[..., :dqk], kvs[..., dqk:], call, scale=scale)
+        kvs, qs = _rows(kv, call, "k"), _rows(q, call, "q")
+        out, lse = kernel.forward(qs, kvs[..., :dqk], kvs[..., dqk:], call, scale=scale)
+        if max_logit is not None:
+            max_logits.fold_call_(max_logit, qs, kvs[..., :dqk], call)
+        del qs
         out = out.permute(1, 2, 0, 3)  # [Tq, b, h, dv] -> [b, h, Tq, dv]
         if call.q_slice is not None:
             a, b = call.q_slice

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from . import blocks
+from . import max_logit as max_logits
 from .comm import Communicator
 from .layout import Documents, Segment, coalesce, cp_rank_segments, normalize_window, segment_rows
 from .sinks import sink_grad
@@ -121,7 +122,7 @@ class _HaloAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sink, groups, docs, plan: HaloPlan, window, causal, scale, kernel, fwd_stats, bwd_stats,
-                timeline):
+                timeline, max_logit=False):
         # q [n, b, h, dqk], k [n, b, hkv, dqk], v [n, b, hkv, dv]  (before any Ulysses all-to-all)
         comm = Communicator(fwd_stats, groups.transports_on(q.device)[1], timeline)
         kv = torch.cat([k, v], dim=-1)  # [n, b, hkv, dqk + dv]
@@ -132,18 +133,24 @@ class _HaloAttention(torch.autograd.Function):
         # One step of the attention's block work on the keys that landed (the same
         # accumulators, kernel calls and finish as the StarTrail forward).
         acc_out, acc_lse = blocks.new_partials(q, v.shape[-1])
+        best = max_logits.new_accumulator(q) if max_logit else None  # [h]: all heads (no Ulysses here)
         q_segments, k_segments = cp_rank_segments(docs, plan.rank), plan.key_segments(docs)
         blocks.forward_step(kernel, q, kv_all, q_segments, k_segments, acc_out, acc_lse, causal=causal,
-                            scale=scale, window=window)
+                            scale=scale, window=window, max_logit=best)
         out, lse = blocks.finished(acc_out, acc_lse, q.dtype, sink)  # [n, b, h, dv], [n, b, h]
         dqk = q.shape[-1]
         ctx.save_for_backward(q, kv_all, out, lse)
         ctx.meta = (groups, docs, plan, window, causal, scale, kernel, bwd_stats, timeline, dqk)
         ctx.sink = sink
-        return out
+        if best is None:
+            return out
+        best = max_logits.finish(best, scale)
+        ctx.mark_non_differentiable(best)
+        ctx.set_materialize_grads(False)  # no zeros made for max_logit's gradient (dout always comes)
+        return out, best
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, dout, *_):  # no gradient for max_logit
         q, kv_all, out, lse = ctx.saved_tensors
         groups, docs, plan, window, causal, scale, kernel, bwd_stats, timeline, dqk = ctx.meta
         dsink = sink_grad(dout, out, lse, ctx.sink) if ctx.needs_input_grad[3] else None
@@ -163,10 +170,12 @@ class _HaloAttention(torch.autograd.Function):
         for (buf, _), (_, ranges) in zip(got, plan.send):
             blocks.add_rows(dkv, buf, ranges)
         dtype = q.dtype
-        return (dq.to(dtype), *blocks.split_kv(dkv, dqk, dtype), dsink) + (None,) * 10
+        return (dq.to(dtype), *blocks.split_kv(dkv, dqk, dtype), dsink) + (None,) * 11
 
 
-def halo_attn(q, k, v, sink, groups, docs, plan, window, causal, scale, kernel, fwd_stats, bwd_stats, timeline):
-    """:class:`_HaloAttention` on this rank's CP shard: ``[n, b, h, dv]`` (``sink [h]``: attention sinks, or None)."""
+def halo_attn(q, k, v, sink, groups, docs, plan, window, causal, scale, kernel, fwd_stats, bwd_stats, timeline,
+              max_logit=False):
+    """:class:`_HaloAttention` on this rank's CP shard: ``[n, b, h, dv]`` (``sink [h]``: attention sinks, or None);
+    with ``max_logit``, ``(out, max_logit [h])`` (:mod:`.max_logit`)."""
     return _HaloAttention.apply(q, k, v, sink, groups, docs, plan, window, causal, scale, kernel, fwd_stats,
-                                bwd_stats, timeline)
+                                bwd_stats, timeline, max_logit)

@@ -7,6 +7,7 @@ Megatron's CP layout, and compares against float64 attention on the whole sequen
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from megatron_startrail.layout import plan_calls
 
@@ -31,6 +32,30 @@ def reference_attention(q, k, v, causal, scale):
         s = q.shape[0]
         scores = scores.masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf"))
     return torch.einsum("bhst,tbhd->sbhd", torch.softmax(scores, dim=-1), v)
+
+
+def causal_pairs(seq: int) -> torch.Tensor:
+    """``[seq, seq]`` bool: query i sees key j iff j <= i."""
+    return torch.ones(seq, seq, dtype=torch.bool).tril()
+
+
+def reference_max_logit(q, k, visible, scale):
+    """Megatron's ``current_max_attn_logits`` of the whole sequence in float64: per head, the
+    largest ``scale * q . k`` over the pairs ``visible [s, s]`` lets through (None: all);
+    q ``[s, b, h, d]``, k ``[s, b, hkv, d]`` -> ``[h]``."""
+    k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+    scores = torch.einsum("sbhd,tbhd->bhst", q.double(), k.double()) * scale
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
+    return scores.amax(dim=(0, 2, 3))
+
+
+def max_logit_error(local, want, group=None):
+    """Relative error of this rank's ``max_logit [h]`` after the MAX over the CP group (what
+    Megatron's ``clip_qk`` all-reduces) against :func:`reference_max_logit`; the same on every rank."""
+    got = local.detach().clone()
+    dist.all_reduce(got, op=dist.ReduceOp.MAX, group=group)
+    return relative_error(got, want)
 
 
 def reference_with_grads(q, k, v, dout, causal, scale):

@@ -87,6 +87,13 @@ def reference_packed_with_grads(q, k, v, dout, doc, causal, scale):
     return out.detach(), q.grad, k.grad, v.grad
 
 
+def visible_pairs(doc, positions, window, causal):
+    """``[s, s]`` bool: query i sees key j iff both are of one document (not padding) and
+    ``pos_i - left <= pos_j <= pos_i + right`` (-1: unbounded), j <= i when causal."""
+    delta = positions[None, :] - positions[:, None]  # key minus query position
+    return (doc[:, None] == doc[None, :]) & (doc[:, None] != PAD) & window_mask(delta, window, causal)
+
+
 def windowed_reference(q, k, v, dout, doc, positions, window, causal, scale, sink=None):
     """Float64 attention on ``[s, b, h, d]`` where query i sees key j iff both are of one
     document (not padding) and ``pos_i - left <= pos_j <= pos_i + right`` (-1: unbounded).
@@ -97,8 +104,7 @@ def windowed_reference(q, k, v, dout, doc, positions, window, causal, scale, sin
     q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
     heads, kv_heads, s = q.shape[2], k.shape[2], q.shape[0]
     kk, vv = (t.repeat_interleave(heads // kv_heads, dim=2) for t in (k, v))
-    delta = positions[None, :] - positions[:, None]  # key minus query position
-    mask = (doc[:, None] == doc[None, :]) & (doc[:, None] != PAD) & window_mask(delta, window, causal)
+    mask = visible_pairs(doc, positions, window, causal)
     real = mask.any(dim=1)
     mask |= torch.eye(s, dtype=torch.bool) & ~real[:, None]
     scores = (torch.einsum("sbhd,tbhd->bhst", q, kk) * scale).masked_fill(~mask, float("-inf"))

@@ -17,8 +17,11 @@ from megatron_startrail import new_startrail_groups, startrail_attn, valid_team_
 from megatron_startrail.accounting import AttentionShape, expected_comm
 from tests.attention_cases import (
     TOLERANCE,
+    causal_pairs,
     full_inputs,
     local_rows,
+    max_logit_error,
+    reference_max_logit,
     reference_with_grads,
     relative_error,
 )
@@ -26,7 +29,7 @@ from tests.multiproc import run_ranks
 
 BATCH, HEADS, DIM, CHUNK = 2, 4, 8, 3
 HEAD_LAYOUTS = {"mha": 4, "gqa": 2, "mqa": 1}
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 FULL_PRODUCT_UP_TO = 4  # worlds larger than this run low precision once per (U, C)
 
 
@@ -34,7 +37,10 @@ def cases(cp_size):
     """(causal, (layout, kv_heads), dtype) run for every (U, C) at ``cp_size``."""
     for case in itertools.product((True, False), HEAD_LAYOUTS.items(), DTYPES):
         causal, (layout, _), dtype = case
-        if cp_size <= FULL_PRODUCT_UP_TO or dtype == torch.float32 or (causal and layout == "gqa"):
+        if dtype == torch.float64:  # once per (U, C): the max logit within 1e-12
+            if causal and layout == "gqa":
+                yield case
+        elif cp_size <= FULL_PRODUCT_UP_TO or dtype == torch.float32 or (causal and layout == "gqa"):
             yield case
 STAT_FIELDS = ["p2p_bytes_sent", "p2p_bytes_recv", "collective_bytes_sent", "collective_bytes_recv", "p2p_steps"]
 
@@ -48,20 +54,23 @@ def group_settings(cp_size):
 
 
 def run_case(groups, rank, cp_size, causal, kv_heads, dtype, seed):
-    """Run one case on this rank; return (errors by tensor, stats, outputs)."""
+    """Run one case on this rank; return (errors by tensor, stats, outputs). The errors include
+    the max logit's (``startrail_attn(..., return_max_logit=True)`` after the MAX over CP)."""
     seq = 2 * cp_size * CHUNK
     full = full_inputs(seed, seq, BATCH, HEADS, kv_heads, DIM, dtype)
     scale = DIM**-0.5
     ref = reference_with_grads(*full, causal, scale)
     q, k, v, dout = (local_rows(t, rank, cp_size).to(dtype) for t in full)
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
-    out = startrail_attn(q, k, v, groups, causal=causal, softmax_scale=scale)
+    out, max_logit = startrail_attn(q, k, v, groups, causal=causal, softmax_scale=scale, return_max_logit=True)
     out.backward(dout)
     got = (out.detach(), q.grad, k.grad, v.grad)
     errors = {
         name: relative_error(g, local_rows(r, rank, cp_size))
         for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref)
     }
+    want = reference_max_logit(full[0], full[1], causal_pairs(seq) if causal else None, scale)
+    errors["max_logit"] = max_logit_error(max_logit, want)
     stats = {"forward": groups.last_forward_stats, "backward": groups.last_backward_stats}
     return errors, stats, got
 

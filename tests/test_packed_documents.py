@@ -24,7 +24,8 @@ from megatron_startrail.layout import (
     documents_from_cu_seqlens,
     rows_of_cp_ranks,
 )
-from tests.attention_cases import TOLERANCE, full_inputs, plan_coverage, relative_error
+from tests.attention_cases import (TOLERANCE, full_inputs, max_logit_error, plan_coverage, reference_max_logit,
+                                   relative_error)
 from tests.multiproc import run_ranks
 from tests.packed_cases import (
     PAD,
@@ -32,6 +33,7 @@ from tests.packed_cases import (
     held_positions,
     make_documents,
     reference_packed_with_grads,
+    visible_pairs,
 )
 
 HEADS, DIM, CHUNK = 4, 8, 5
@@ -122,12 +124,16 @@ def run_packed_case(groups, rank, cp, layout, causal, kv_heads, dtype, seed, thd
     if thd:  # [t, 1, h, d] -> [t, h, d]
         q, k, v, dout = (t.squeeze(1) for t in (q, k, v, dout))
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
-    out = startrail_attn(q, k, v, groups, causal=causal, softmax_scale=scale, cu_seqlens=cu, cu_seqlens_padded=padded,
-                         transfer=transfer, regather_in_backward=regather)
+    out, max_logit = startrail_attn(q, k, v, groups, causal=causal, softmax_scale=scale, cu_seqlens=cu,
+                                    cu_seqlens_padded=padded, transfer=transfer, regather_in_backward=regather,
+                                    return_max_logit=True)
     assert out.shape == q.shape
     out.backward(dout)
     got = [t.reshape(len(mine), 1, *t.shape[-2:]) for t in (out.detach(), q.grad, k.grad, v.grad)]
     errors = {n: relative_error(g, r[mine]) for n, g, r in zip(("out", "dq", "dk", "dv"), got, ref)}
+    # Per document, padding never: the MAX over CP of every rank's max logit
+    visible = visible_pairs(doc, torch.arange(len(doc)), (-1, -1), causal)
+    errors["max_logit"] = max_logit_error(max_logit, reference_max_logit(full[0], full[1], visible, scale))
     padding = doc[mine] == PAD
     pad_nonzero = sum(int(g[padding].count_nonzero()) for g in got)
     return errors, pad_nonzero, int(padding.sum())

@@ -14,9 +14,10 @@ from megatron_startrail import new_startrail_groups, startrail_attn
 from megatron_startrail.accounting import AttentionShape, expected_comm, halo_bytes, halo_rows
 from megatron_startrail.halo import MAX_HALO_SHARE
 from megatron_startrail.layout import plan_calls
-from tests.attention_cases import full_inputs, plan_coverage, relative_error
+from tests.attention_cases import full_inputs, max_logit_error, plan_coverage, reference_max_logit, relative_error
 from tests.multiproc import run_ranks
-from tests.packed_cases import PAD, document_of_positions, held_positions, make_documents, windowed_reference
+from tests.packed_cases import (PAD, document_of_positions, held_positions, make_documents, visible_pairs,
+                                windowed_reference)
 
 CHUNK, HEADS, DIM = 8, 4, 8
 TOL = 1e-10  # float64 inputs: every path is exact up to rounding
@@ -50,10 +51,14 @@ def window_worker(rank, world_size, team_size, ulysses, kv_heads, v_dim):
         positions = torch.arange(seq)
         ref = windowed_reference(q, k, v, dout, doc, positions, window, causal, DIM**-0.5)
         lq, lk, lv = (t[mine].clone().requires_grad_(True) for t in (q, k, v))
-        out = startrail_attn(lq, lk, lv, groups, causal=causal, cu_seqlens=cu, cu_seqlens_padded=padded,
-                             window_size=window)
+        out, max_logit = startrail_attn(lq, lk, lv, groups, causal=causal, cu_seqlens=cu, cu_seqlens_padded=padded,
+                                        window_size=window, return_max_logit=True)
         out.backward(dout[mine])
         case = f"{layout} window={window} causal={causal} C={team_size} U={ulysses} hkv={kv_heads} dv={v_dim}"
+        want = reference_max_logit(q, k, visible_pairs(doc, positions, window, causal), DIM**-0.5)
+        err = max_logit_error(max_logit, want)  # the halo's pass and the schedule's
+        if not err <= 1e-12:
+            failures.append(f"{case}: max logit error {err:.2e}")
         for name, got, want in zip(("out", "dq", "dk", "dv"), (out, lq.grad, lk.grad, lv.grad), ref):
             err = relative_error(got, want[mine])
             if err > TOL:

@@ -191,6 +191,7 @@ class Case:
     halo: bool = True  # False: a window that fits a chunk runs the schedule anyway
     rank: int = 1
     kernel: str = "reference"  # or a CUDA adapter (torch_cuda_flash, torch_cuda_cudnn): its own ops apart
+    max_logit: bool = False  # return_max_logit (--qk-clip / --log-max-attention-logit): the max-logit pass
 
 
 def lognormal_documents(tokens: int, n_docs: int, cp: int, padded: bool, seed: int = 0):
@@ -245,7 +246,8 @@ def count_startrail(case: Case) -> Counts:
             extra = {"cu_seqlens": cu, "cu_seqlens_padded": cu_p}
         with _kernel_counting(counts, case.kernel), _OpCounter(counts):
             out = startrail_attn(q, k, v, groups, causal=case.causal, window_size=case.window,
-                                 halo_exchange=case.halo, **extra)
+                                 halo_exchange=case.halo, return_max_logit=case.max_logit, **extra)
+            out = out[0] if case.max_logit else out
             torch.autograd.grad(out, (q, k, v), dout)
     return counts
 
@@ -409,6 +411,17 @@ def production_cases(tokens: int = 131072) -> list[Case]:
             Case(f"{tag} regathering", world, team, tokens, regather=True),
         ]
     cases += [Case("P8 yardstick zigzag ring", 8, 0, tokens), Case("P16 yardstick zigzag ring", 16, 0, tokens)]
+    # --qk-clip / --log-max-attention-logit: the same layers with the max-logit pass (max_logit.py)
+    for world, team in ((8, 1), (8, 2), (16, 4)):
+        tag = f"P{world} C{team}"
+        cases += [
+            Case(f"{tag} dense causal, max logit", world, team, tokens, max_logit=True),
+            Case(f"{tag} dense unmasked, max logit", world, team, tokens, causal=False, max_logit=True),
+            Case(f"{tag} GQA 8:1, max logit", world, team, tokens, kv_heads=1, max_logit=True),
+            Case(f"{tag} window (4096, 0), max logit", world, team, tokens, window=(4096, 0), max_logit=True),
+            Case(f"{tag} packed, document layout, max logit", world, team, tokens, docs="document",
+                 max_logit=True),
+        ]
     return cases
 
 

@@ -44,18 +44,6 @@ UNSUPPORTED = (
         "StarTrail has no dropout on the attention probabilities",
         "set --attention-dropout 0",
     ),
-    AttentionOption(
-        "qk_clip", "--qk-clip",
-        bool,
-        "it needs the maximum attention logit from the core attention, which StarTrail does not report",
-        "drop --qk-clip",
-    ),
-    AttentionOption(
-        "log_max_attention_logit", "--log-max-attention-logit",
-        bool,
-        "it needs the maximum attention logit from the core attention, which StarTrail does not report",
-        "drop --log-max-attention-logit",
-    ),
     # GPU-only options: accepted and then ignored or broken would be worse than refused.
     AttentionOption(
         "cuda_graph_impl", "--cuda-graph-impl",

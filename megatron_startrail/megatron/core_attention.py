@@ -29,6 +29,15 @@ of the run (transfer, regathering, backward rotation, kernel). With Megatron's h
 (dynamic) CP they are a :class:`~megatron_startrail.megatron.dynamic_cp.DynamicCPGroups`,
 and each call runs on the set of its sub-sample's CP size (``PackedSeqParams.local_cp_size``,
 ``cp_group``): the sub-sample, zigzagged over that group, is one packed sample.
+
+QK-clip and ``--log-max-attention-logit`` (``config.qk_clip`` / ``log_max_attention_logit``):
+like Megatron's Transformer Engine attention (``TEDotProductAttention``, TE >= 2.9's
+``return_max_logit``), every forward that computes the attention raises
+``current_max_attn_logits`` (``[heads of this TP partition]``, no gradient) to the largest
+scaled logit per head this rank's attention saw; Megatron's ``clip_qk`` all-reduces it with MAX
+over DP x CP after the optimizer step, clips, and sets it back to None. A recomputation that
+takes the kept attention computes nothing and leaves it as the first pass set it; one that
+recomputes the attention sees the same logits again (a max: unchanged).
 """
 
 from __future__ import annotations
@@ -141,6 +150,10 @@ class StarTrailCoreAttention(MegatronModule):
         # --softmax-type (attention sinks): Megatron's own softmax_offset, one per head of the TP partition
         self.tp_group = tp_group_of(pg_collection)
         self.kept = KeptAttention()  # attention graphs kept through recomputation, oldest first
+        # --qk-clip / --log-max-attention-logit: Megatron reads and resets current_max_attn_logits
+        self.reports_max_logit = bool(getattr(config, "qk_clip", False)
+                                      or getattr(config, "log_max_attention_logit", False))
+        self.current_max_attn_logits = None
         make_softmax_offset(self, config, config.num_attention_heads // self.tp_group.size())
 
     def forward(
@@ -175,15 +188,27 @@ class StarTrailCoreAttention(MegatronModule):
                 "StarTrail takes V at its own head dim, unpadded"
             )
         def attend(q, k, v):  # [s/CP, b, np, hn] -> [s/CP, b, np, hv]   (THD: [t/CP, np, hn] -> [t/CP, np, hv])
-            return startrail_attn(q, k, v, groups, causal=causal, softmax_scale=self.softmax_scale,
-                                  cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded, cp_group=cp_group,
-                                  window_size=self.window_size, softmax_offset=self.softmax_offset)
+            out = startrail_attn(q, k, v, groups, causal=causal, softmax_scale=self.softmax_scale,
+                                 cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded, cp_group=cp_group,
+                                 window_size=self.window_size, softmax_offset=self.softmax_offset,
+                                 return_max_logit=self.reports_max_logit)
+            if self.reports_max_logit:  # only where the attention is computed (not a kept graph's replay)
+                out, max_logit = out
+                self._raise_max_logit(max_logit)
+            return out
 
         # Under Megatron's recomputation the attention runs once (Note [attention kept through recomputation])
         out = self.kept.run(attend, query, key, value, training=self.training,
                             enabled=not self.startrail_groups.config.recompute_attention)
         # [s/CP, b, np, hv] -> [s/CP, b, np * hv]   (THD: -> [t/CP, np * hv])
         return out.reshape(*out.shape[:-2], -1)
+
+    def _raise_max_logit(self, max_logit: torch.Tensor) -> None:
+        """``current_max_attn_logits`` = max(itself, ``max_logit [np]``), as Megatron's TE attention
+        accumulates it (a new tensor each time; detached: a statistic, no graph kept alive)."""
+        max_logit = max_logit.detach()
+        current = self.current_max_attn_logits
+        self.current_max_attn_logits = max_logit if current is None else torch.max(current, max_logit)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata: dict | None = None):
         """The learnable sinks as Megatron's ``DotProductAttention`` checkpoints them."""

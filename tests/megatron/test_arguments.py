@@ -168,8 +168,6 @@ def test_validation_errors_name_the_flag(monkeypatch, flags, message):
 UNSUPPORTED_ATTENTION_FLAGS = [
     (["--apply-query-key-layer-scaling"], "--apply-query-key-layer-scaling"),
     (["--attention-dropout", "0.1"], "--attention-dropout 0.1"),
-    (["--qk-clip"], "--qk-clip"),
-    (["--log-max-attention-logit"], "--log-max-attention-logit"),
     (["--experimental-attention-variant", "dsa"], "--experimental-attention-variant dsa"),
     # GPU options that would be accepted and then ignored or broken (GPU hot-path issue)
     (["--cuda-graph-impl", "local"], "--cuda-graph-impl local"),
@@ -188,7 +186,6 @@ UNSUPPORTED_ATTENTION_FLAGS = [
 def test_attention_options_startrail_does_not_implement_are_refused(monkeypatch, algo, flags, message):
     """Never a different attention than asked for: each option is refused with its flag."""
     args = parse(monkeypatch, "--context-parallel-size", "4", "--context-parallel-algo", algo, *flags)
-    # qk-clip and the logit log need Transformer Engine in Megatron's own validation; ours reads the namespace
     with pytest.raises(ValueError, match=re.escape(message)) as error:
         validate_startrail_args(args)
     assert f"--context-parallel-algo {algo}" in str(error.value)
@@ -196,11 +193,13 @@ def test_attention_options_startrail_does_not_implement_are_refused(monkeypatch,
 
 def test_attention_options_startrail_implements_are_accepted(monkeypatch):
     """Sliding windows (StarTrail applies them, tests/test_window.py), vanilla softmax and
-    attention sinks (tests/test_sinks.py);
+    attention sinks (tests/test_sinks.py), QK-clip and the max-logit log (the core attention
+    reports current_max_attn_logits: tests/megatron/test_qk_clip.py);
     Megatron's own CP is not checked at all."""
     for flags in (["--window-size=-1,0"], ["--window-size", "32,0"], ["--window-size", "8,8"],
                   ["--window-size", "32,0", "--window-attn-skip-freq", "2"], ["--softmax-type", "vanilla"],
-                  ["--softmax-type", "off-by-one"], ["--softmax-type", "learnable"]):
+                  ["--softmax-type", "off-by-one"], ["--softmax-type", "learnable"], ["--qk-clip"],
+                  ["--log-max-attention-logit"], ["--qk-clip", "--qk-clip-threshold", "5"]):
         validate_startrail_args(parse(monkeypatch, "--context-parallel-size", "4", "--context-parallel-algo",
                                       "startrail", "--startrail-team-size", "2", *flags))
     validate_startrail_args(parse(monkeypatch, "--context-parallel-size", "4", "--window-size", "32,0"))

@@ -111,8 +111,6 @@ def test_constructor_errors_name_the_setting():
 
 @pytest.mark.parametrize("field, value, flag", [
     ("apply_query_key_layer_scaling", True, "--apply-query-key-layer-scaling"),
-    ("qk_clip", True, "--qk-clip"),
-    ("log_max_attention_logit", True, "--log-max-attention-logit"),
     ("experimental_attention_variant", "dsa", "--experimental-attention-variant dsa"),
     ("fp8_dot_product_attention", True, "TransformerConfig.fp8_dot_product_attention"),
     ("fp8_multi_head_attention", True, "TransformerConfig.fp8_multi_head_attention"),
