@@ -7,8 +7,11 @@ the host (plain tuples of :class:`~megatron_startrail.layout.KernelCall`), with 
 tensors' shapes, dtypes and strides, which are host facts too: pure Python on ints, no
 tensor op and no device sync. A mismatch is a ``ValueError`` naming both sides.
 
-:class:`CheckedKernel` puts it in front of a kernel's ``forward`` / ``backward`` (first in
-the MRO of every adapter), so no adapter carries a copy of it.
+:class:`CheckedKernel` puts it in front of every entry of a kernel (:data:`ENTRIES`: ``forward``,
+``backward`` and ``backward_into``, the per-sequence kernels' backward that adds into the
+schedule's accumulators; first in the MRO of every adapter), so no adapter carries a copy of it
+and no launch goes around it. One check per entry call: an entry that reaches another entry of
+its kernel (a padded ``backward_into`` through ``backward``) goes past the other's check.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ def _rows(name: str, t: torch.Tensor, rows: int, side: str, dense_last: bool = T
     return None
 
 
-def _tensor_problems(q, k, v, out, dout, lse, tq: int, tk: int):
+def _tensor_problems(q, k, v, out, dout, lse, grads, tq: int, tk: int):
     yield _rows("q", q, tq, "query")
     yield _rows("k", k, tk, "key")
     yield _rows("v", v, tk, "key")
@@ -69,27 +72,37 @@ def _tensor_problems(q, k, v, out, dout, lse, tq: int, tk: int):
             yield f"{name} {_shape(t)} {t.dtype} must be [{tq}, {b}, {h}, {v.shape[3]}] {q.dtype} (q's rows, v's head dim)"
     if lse is not None and tuple(lse.shape) != (b, h, tq):
         yield f"call has {tq} query rows but lse is {_shape(lse)}, not [{b}, {h}, {tq}]"
+    if lse is not None and lse.dtype != (torch.float64 if q.dtype == torch.float64 else torch.float32):
+        yield f"lse is {lse.dtype}: the kernels' lse is float32 (float64 for float64 inputs)"
+    for name, grad, like in zip(("dq", "dk", "dv"), grads or (), ("q", "k", "v")):
+        t = {"q": q, "k": k, "v": v}[like]
+        if grad.shape != t.shape:  # backward_into adds a launch's rows into them: any dtype and strides
+            yield f"{name} {_shape(grad)} must be {like}'s shape {_shape(t)} (the call's rows of its accumulator)"
 
 
-def check_call(kernel: str, call: KernelCall, q, k, v, out=None, dout=None, lse=None) -> None:
+def check_call(kernel: str, call: KernelCall, q, k, v, out=None, dout=None, lse=None, grads=None) -> None:
     """ValueError naming ``kernel``, the call and the tensor when ``call`` does not fit q ``[Tq, b, h, d]``,
     k ``[Tk, b, hkv, d]``, v ``[Tk, b, hkv, dv]`` (and the backward's out / dout ``[Tq, b, h, dv]``,
-    lse ``[b, h, Tq]``): rows, batch, heads, head dims, one dtype, a dense last dim, and the call's
-    own ``cu_seqlens`` / ``max_seqlen``. Host ints only. (Which dtypes a kernel takes is the
+    lse ``[b, h, Tq]`` float32 (float64 for float64), ``backward_into``'s accumulators ``grads =
+    (dq, dk, dv)`` shaped as q, k, v): rows, batch, heads, head dims, one dtype, a dense last dim,
+    and the call's own ``cu_seqlens`` / ``max_seqlen``. Host ints only. (Which dtypes a kernel takes is the
     kernel choice's rule, and the ops refuse others themselves before launching.)"""
     plain = getattr(call, "call", call)  # a BoundCall carries its KernelCall
     problem = _call_problem(plain)
     if problem is None:
         tq, tk = plain.cu_seqlens_q[-1], plain.cu_seqlens_k[-1]
-        problem = next((p for p in _tensor_problems(q, k, v, out, dout, lse, tq, tk) if p is not None), None)
+        problem = next((p for p in _tensor_problems(q, k, v, out, dout, lse, grads, tq, tk) if p is not None), None)
     if problem is not None:
         raise ValueError(f"{kernel}: {problem} (call of {len(plain.cu_seqlens_q) - 1} sequences, window "
                          f"{plain.window}); refused before launch")
 
 
+ENTRIES = ("forward", "backward", "backward_into")  # every way into a kernel (tests/test_call_check.py)
+
+
 class CheckedKernel:
     """Mixin, first in an adapter's bases: :func:`check_call` on the call and the tensors as the
-    schedule hands them, then the next class's ``forward`` / ``backward``."""
+    schedule hands them, then the next class's entry of the same name (:data:`ENTRIES`)."""
 
     name = "kernel"
 
@@ -100,3 +113,7 @@ class CheckedKernel:
     def backward(self, dout, q, k, v, out, lse, call, *, scale):
         check_call(self.name, call, q, k, v, out, dout, lse)
         return super().backward(dout, q, k, v, out, lse, call, scale=scale)
+
+    def backward_into(self, grads, dout, q, k, v, out, lse, call, *, scale):
+        check_call(self.name, call, q, k, v, out, dout, lse, grads)
+        return super().backward_into(grads, dout, q, k, v, out, lse, call, scale=scale)

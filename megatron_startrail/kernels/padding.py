@@ -90,6 +90,7 @@ class EqualHeadDimsKernel:
         if kernel_into is not None and common_head_dim(q.shape[-1], v.shape[-1], self.head_dim_multiple) == \
                 q.shape[-1] == v.shape[-1]:
             return kernel_into(grads, dout, q, k, v, out, lse, call, scale=scale)
-        for acc, grad in zip(grads, self.backward(dout, q, k, v, out, lse, call, scale=scale)):
+        # EqualHeadDimsKernel's own backward, not self.backward: the entry's call check has run.
+        for acc, grad in zip(grads, EqualHeadDimsKernel.backward(self, dout, q, k, v, out, lse, call, scale=scale)):
             acc.add_(grad)
         return None
