@@ -6,7 +6,9 @@
   test_window, test_packed_documents) check the layer's value after the MAX over CP.
 - With both flags off (``return_max_logit=False``) none of the pass runs: its functions are
   replaced by ones that raise, and the layer dispatches no op of its kind; with it on the
-  extra ops are exactly the pass's (benchmarks/launch_budget.py's counter, meta tensors).
+  extra ops are exactly the pass's (benchmarks/launch_budget.py's counter, meta tensors): no
+  P2P, no collective, no kernel call, no copy (``_to_copy``, ``copy_`` are not among its ops)
+  and no host sync (on meta tensors ``.item()`` and ``.tolist()`` raise).
 """
 
 import pytest
