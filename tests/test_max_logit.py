@@ -72,7 +72,7 @@ PASS_OPS = {"aten.bmm", "aten._unsafe_view", "aten.new_full", "aten.amax", "aten
             "aten.logical_or_", "aten.mul_", "aten.clone", "aten.fill_", "aten.ones", "aten.full"}
 
 
-@pytest.mark.parametrize("kw", [{}, {"window": (64, 0)}, {"docs": "document", "kv_heads": 1}])
+@pytest.mark.parametrize("kw", [{}, {"window": (64, 0), "docs": "document", "kv_heads": 1}])  # schedule; halo
 def test_with_both_flags_off_nothing_is_computed(monkeypatch, kw):
     """--qk-clip and --log-max-attention-logit off: the layer's ops are those without the pass
     (its functions would raise if called); on, the extra ops are the pass's kinds only."""
