@@ -6,7 +6,9 @@
   test_window, test_packed_documents) check the layer's value after the MAX over CP.
 - With both flags off (``return_max_logit=False``) none of the pass runs: its functions are
   replaced by ones that raise, and the layer dispatches no op of its kind; with it on the
-  extra ops are exactly the pass's (benchmarks/launch_budget.py's counter, meta tensors).
+  extra ops are exactly the pass's (benchmarks/launch_budget.py's counter, meta tensors): no
+  P2P, no collective, no kernel call, no copy (``_to_copy``, ``copy_`` are not among its ops)
+  and no host sync (on meta tensors ``.item()`` and ``.tolist()`` raise).
 """
 
 import pytest
@@ -70,7 +72,7 @@ PASS_OPS = {"aten.bmm", "aten._unsafe_view", "aten.new_full", "aten.amax", "aten
             "aten.logical_or_", "aten.mul_", "aten.clone", "aten.fill_", "aten.ones", "aten.full"}
 
 
-@pytest.mark.parametrize("kw", [{}, {"window": (64, 0)}, {"docs": "document", "kv_heads": 1}])
+@pytest.mark.parametrize("kw", [{}, {"window": (64, 0), "docs": "document", "kv_heads": 1}])  # schedule; halo
 def test_with_both_flags_off_nothing_is_computed(monkeypatch, kw):
     """--qk-clip and --log-max-attention-logit off: the layer's ops are those without the pass
     (its functions would raise if called); on, the extra ops are the pass's kinds only."""
