@@ -232,7 +232,7 @@ def test_cpu_selfcheck_runs_every_part(tmp_path):
     assert "| torch_cpu_flash | fp32 | 24, 16 | causal | 1x2x128x24/16 |" in text  # timing vs SDPA
     for p, c in ((4, 1), (4, 2)):
         assert f"| 256 | {p} | {c} | 2/2 x 16 | torch_cpu_flash |" in text  # one-rank run
-    assert "Efficiency at C = 2:" in text
+    assert "Efficiency at C = 2, 256 tokens:" in text
     for check in ("transport of the backend", "self exchange"):  # part 4, on gloo here
         assert f"| {check} | ok |" in text
     assert "accuracy ok" in text and "transport ok" in text and "## Errors" not in text
