@@ -6,7 +6,8 @@ as two parts that the committed figures give:
 
 - the kernels: the rank's attention FLOPs (the planner's count, the backward 2.5x the forward)
   at SDPA's measured per-call rates on the H100 (``1 x 16 x 8192 x 128``: causal 1.952 ms =
-  493 TFLOP/s, full 3.230 ms = 596 TFLOP/s; ``timing_rank_transport.md``): the rank's two
+  493 TFLOP/s, full 3.230 ms = 596 TFLOP/s;
+  ``benchmarks/results/gpu/h100-2026-11-27/timing_rank_transport.md``): the rank's two
   diagonal chunk blocks causal, the rest full (the zigzag layout: chunks ``r`` and ``2P-1-r``);
 - the bytes moved outside the kernels (``benchmarks/results/layer_traffic.json``: the schedule's
   and the adapter's, on the landed code) at the H100's HBM3 bandwidth, 3.35 TB/s: the data
@@ -17,7 +18,7 @@ Efficiency = the fused call's share (the whole sequence's FLOPs at the fused SDP
 Launch overhead and Python are left out (the kernels are long enough to hide them at 128K);
 what the prediction misses of the measurement is theirs and the bandwidth's.
 
-    python -m benchmarks.block_loop_prediction   # writes benchmarks/results/block_loop_prediction.{md,json}
+    python -m benchmarks.block_loop_prediction   # writes benchmarks/results/block_loop_prediction.md and .json
 """
 
 from __future__ import annotations
@@ -31,11 +32,11 @@ from megatron_startrail.planning.gpu_rates import H100_FUSED_TFLOPS
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAFFIC = ROOT / "benchmarks" / "results" / "layer_traffic.json"
-OUT = ROOT / "benchmarks" / "results" / "block_loop_prediction.md"
+OUT = ROOT / "benchmarks/results/block_loop_prediction.md"
 TOKENS = 131072
 HEAD_DIM = 128
 CALL_GFLOP_CAUSAL = 962.0  # 1 x 16 x 8192 x 128 causal fwd+bwd, as gpu_rates counts it
-# SDPA (cuDNN) per call on the H100, 1 x 16 x 8192 x 128 (timing_rank_transport.md)
+# SDPA (cuDNN) per call on the H100, 1 x 16 x 8192 x 128 (benchmarks/results/gpu/h100-2026-11-27/timing_rank_transport.md)
 SDPA_CALL_MS = {"causal": 1.952, "full": 3.230}
 SDPA_CALL_TFLOPS = {"causal": CALL_GFLOP_CAUSAL / SDPA_CALL_MS["causal"],
                     "full": 2 * CALL_GFLOP_CAUSAL / SDPA_CALL_MS["full"]}
@@ -111,7 +112,7 @@ def markdown(preds: list[Prediction]) -> str:
              "`python -m benchmarks.block_loop_prediction` (the model in its docstring). One rank at 128K, batch 1, "
              "causal, bf16, fwd+bwd. Kernels: the rank's FLOPs at SDPA's per-call rates measured on the H100 "
              f"(causal {SDPA_CALL_TFLOPS['causal']:.0f}, full {SDPA_CALL_TFLOPS['full']:.0f} TFLOP/s, "
-             "[timing](gpu/h100-2026-11-27/timing_rank_transport.md)); "
+             "`benchmarks/results/gpu/h100-2026-11-27/timing_rank_transport.md`); "
              "bytes: the schedule's and the adapter's from `layer_traffic.json` at the data sheet's "
              f"{H100_HBM_TBPS} TB/s (assumed); fused share: the whole sequence at the measured "
              f"{H100_FUSED_TFLOPS} TFLOP/s over P. The planner prices the block loop with the measured efficiency of "
