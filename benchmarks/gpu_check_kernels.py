@@ -230,13 +230,14 @@ class TimingRow:
     causal: bool
     shape: str
     kernel_ms: float
-    sdpa_ms: float
-    vs_sdpa: float  # max relative difference of out, dq, dk, dv from SDPA's, checked before timing
+    sdpa_ms: float  # the yardstick's time: SDPA's, or for packed documents ``against``'s
+    vs_sdpa: float  # max relative difference of out, dq, dk, dv from the yardstick's, checked before timing
+    against: str = "sdpa"  # the yardstick: torch SDPA, or (packed documents) auto's packed kernel
 
     def to_json(self) -> dict:
         return {"kernel": self.kernel, "dtype": DTYPE_NAMES[self.dtype], "dims": list(self.dims),
                 "causal": self.causal, "shape": self.shape, "kernel_ms": self.kernel_ms, "sdpa_ms": self.sdpa_ms,
-                "vs_sdpa": self.vs_sdpa}
+                "vs_sdpa": self.vs_sdpa, "against": self.against}
 
 
 def timing_inputs(seq: int, heads: int, dims, dtype, device):
@@ -296,6 +297,43 @@ def time_kernel(name: str, dtype, dims, causal: bool, seq: int, heads: int, devi
     return TimingRow(name, dtype, dims, causal, shape, timer(block, iters), timer(sdpa, iters), vs_sdpa)
 
 
+# Packed documents: 4 documents of 10/30/20/40% of the sequence, causal, in one call (what a
+# StarTrail rank's diagonal step makes of packed sequences); timed against auto's packed kernel on
+# the same tensors, since SDPA takes no packed call. Where cuDNN's ragged adapter is faster than
+# FA2 here and PASSes the accuracy part, it may enter auto's sm90 table for packed layers.
+PACKED_YARDSTICK = {"cuda": "torch_cuda_flash", "cpu": "reference"}
+PACKED_KERNELS = ("torch_cuda_cudnn_varlen", "torch_cuda_cudnn", "torch_cpu_flash")
+
+
+def packed_call(seq: int) -> KernelCall:
+    cuts = [0] + [seq * f // 10 for f in (1, 4, 6)] + [seq]
+    return KernelCall.back_to_back([(b - a, b - a) for a, b in zip(cuts, cuts[1:])], (-1, 0))
+
+
+def time_packed(name: str, dtype, dims, seq: int, heads: int, device, iters: int) -> TimingRow:
+    """One block kernel's forward + backward on a packed call (:func:`packed_call`) against the
+    yardstick kernel's on the same tensors, after checking they agree."""
+    dqk, dv = dims
+    (q, k, v, dout), _ = timing_inputs(seq, heads, dims, dtype, device)
+    scale, call, timer = dqk**-0.5, packed_call(seq), _timer(device)
+    yardstick = PACKED_YARDSTICK[device.type]
+
+    def step(kernel):
+        def run():
+            with torch.no_grad():
+                out, lse = kernel.forward(q, k, v, call, scale=scale)
+                return out, kernel.backward(dout, q, k, v, out, lse, call, scale=scale)
+        return run
+
+    mine, theirs = step(make_kernel(name)), step(make_kernel(yardstick))
+    (out, grads), (want_out, want_grads) = mine(), theirs()
+    worst = max(relative_error(a, b.double()) for a, b in zip((out, *grads), (want_out, *want_grads)))
+    if not worst <= 2 * TOLERANCE[dtype]:
+        raise ValueError(f"{name} differs from {yardstick} on packed documents by {worst:.1e}: not timed")
+    shape = f"1x{heads}x{seq}x{dqk}/{dv}, 4 documents"
+    return TimingRow(name, dtype, dims, True, shape, timer(mine, iters), timer(theirs, iters), worst, yardstick)
+
+
 def timing_combinations(kernels, dtypes, dims_list, device, passed=None) -> list[tuple]:
     """(kernel, dtype, dims, causal) to time: the kernel takes them on this device and, when
     ``passed`` (``[kernel, dtype name, dims]`` lists) is given, it passed the accuracy part there."""
@@ -310,6 +348,8 @@ def timing_combinations(kernels, dtypes, dims_list, device, passed=None) -> list
                 if kernel_constraint(name, req) is None and (
                         passed is None or [name, DTYPE_NAMES[dtype], list(dims)] in passed):
                     combos += [(name, dtype, tuple(dims), causal) for causal in (True, False)]
+                    if name in PACKED_KERNELS:
+                        combos.append((name, dtype, tuple(dims), "packed"))
     return combos
 
 
@@ -318,5 +358,10 @@ def timing_part(items, kernels: list[str] | None, dtypes: list[str], dims: list[
     """The kit's timing part (child side): one item per (kernel, dtype, dims, causal)."""
     dev = torch.device(device)
     combos = timing_combinations(kernels, [DTYPES[d] for d in dtypes], dims, dev, passed)
-    items.run(combos, lambda c: [time_kernel(*c, seq, heads, dev, iters).to_json()],
-              lambda c: f"timing {c[0]} {DTYPE_NAMES[c[1]]} {c[2]} causal={c[3]}", group=lambda c: c[0])
+    def run(c):
+        if c[3] == "packed":
+            return [time_packed(*c[:3], seq, heads, dev, iters).to_json()]
+        return [time_kernel(*c, seq, heads, dev, iters).to_json()]
+
+    items.run(combos, run, lambda c: f"timing {c[0]} {DTYPE_NAMES[c[1]]} {c[2]} " + (
+        "packed" if c[3] == "packed" else f"causal={c[3]}"), group=lambda c: c[0])

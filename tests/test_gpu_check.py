@@ -70,6 +70,28 @@ def test_parts_run_autos_kernels_first_and_the_reference_last():
     assert cases[0].kernel == "torch_cuda_cudnn" and cases[-1].kernel == "reference"
 
 
+def test_packed_documents_are_timed_against_autos_packed_kernel(monkeypatch):
+    """The timing part's packed row (4 documents in one call): the kernel against the yardstick
+    (FA2's adapter on a GPU, the reference here) on the same tensors, after they agree; a kernel
+    that differs is refused before it is timed."""
+    row = gpu_check_kernels.time_packed("torch_cpu_flash", torch.float32, (16, 16), 64, 2, CPU, 1)
+    assert row.against == "reference" and row.vs_sdpa < 1e-5 and row.shape.endswith("4 documents")
+    assert gpu_check_kernels.packed_call(64).cu_seqlens_q == (0, 6, 25, 38, 64)
+    combos = gpu_check_kernels.timing_combinations(["torch_cpu_flash", "reference"], [torch.float32], [(16, 16)], CPU)
+    assert combos == [("torch_cpu_flash", torch.float32, (16, 16), c) for c in (True, False, "packed")]
+
+    class Wrong(ReferenceKernel):
+        def forward(self, *args, **kwargs):
+            out, lse = super().forward(*args, **kwargs)
+            return out * 1.1, lse
+
+    real = gpu_check_kernels.make_kernel
+    monkeypatch.setattr(gpu_check_kernels, "make_kernel", lambda name: Wrong() if name == "torch_cpu_flash"
+                        else real(name))
+    with pytest.raises(ValueError, match="differs from reference on packed documents"):
+        gpu_check_kernels.time_packed("torch_cpu_flash", torch.float32, (16, 16), 64, 2, CPU, 1)
+
+
 def test_a_wrong_kernel_is_a_failed_row(monkeypatch):
     class Wrong(ReferenceKernel):
         def backward(self, *args, **kwargs):
@@ -230,6 +252,7 @@ def test_cpu_selfcheck_runs_every_part(tmp_path):
         else:
             assert all(r[6] == "PASS" for r in mine)
     assert "| torch_cpu_flash | fp32 | 24, 16 | causal | 1x2x128x24/16 |" in text  # timing vs SDPA
+    assert "| torch_cpu_flash | fp32 | 24, 16 | causal | 1x2x128x24/16, 4 documents | reference |" in text
     for p, c in ((4, 1), (4, 2)):
         assert f"| 256 | {p} | {c} | 2/2 x 16 | torch_cpu_flash |" in text  # one-rank run
     assert "Efficiency at C = 2, 256 tokens:" in text

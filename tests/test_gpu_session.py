@@ -37,6 +37,7 @@ def test_session_selfcheck_runs_every_part(tmp_path):
     assert [r["status"] for r in kit["accuracy"]["rows"]].count("PASS") == 48  # 2 CPU kernels x 24
     assert {(r["kernel"], r["causal"]) for r in kit["timing"]["rows"]} == {("torch_cpu_flash", True),
                                                                            ("torch_cpu_flash", False)}
+    assert [r["against"] for r in kit["timing"]["rows"] if "documents" in r["shape"]] == ["reference"]
     ranks = [r for n in ("rank-128k", "rank-1m") for r in data[n]["rows"] if r["kind"] == "rank"]
     assert {(r["tokens"], r["world"], r["team"], r["heads"], r["kv_heads"]) for r in ranks} == {
         (t, 4, c, h, hkv) for t in (256, 512) for c in (1, 2) for h, hkv in ((2, 2), (4, 2))}
