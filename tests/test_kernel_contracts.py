@@ -197,3 +197,22 @@ def test_folded_sequences_are_exact(monkeypatch, lengths, window):
         grads = kernel.backward(dout, q, k, v, out, lse, call, scale=0.3)
         for got, ref in zip((out, lse, *grads), want):
             assert got.shape == ref.shape and torch.allclose(got, ref, rtol=0, atol=1e-12), kernel.name
+
+
+def test_ragged_cudnn_double_refuses_what_pytorchs_source_rules_out():
+    """cuDNN's ragged op (the double, from PyTorch's sources): K/V at their own head count (no GQA on
+    this path), strided rows, or an lse not laid out as the forward returned it are refused."""
+    meta = lambda *shape, dtype=torch.bfloat16: torch.empty(*shape, dtype=dtype, device="meta")  # noqa: E731
+    cu = torch.zeros(3, dtype=torch.int32, device="meta")
+    q, k = meta(96, 4, 64), meta(96, 2, 64)
+    with OpContracts(), pytest.raises(ContractViolation, match="one head count"):
+        aten._cudnn_attention_forward(q, k, k, None, cu, cu, 64, 64, True, 0.0, True, False, scale=0.1)
+    strided = meta(96, 8, 64)[:, ::2]
+    with OpContracts(), pytest.raises(ContractViolation, match="dense rows"):
+        aten._cudnn_attention_forward(strided, q, q, None, cu, cu, 64, 64, True, 0.0, True, False, scale=0.1)
+    with OpContracts():
+        out, lse = aten._cudnn_attention_forward(q, q, q, None, cu, cu, 64, 64, True, 0.0, True, False, scale=0.1)[:2]
+    assert out.shape == (96, 4, 64) and lse.shape == (96, 4, 1) and lse.dtype == torch.float32
+    with OpContracts(), pytest.raises(ContractViolation, match=r"logsumexp \[4, 96\]"):
+        aten._cudnn_attention_backward(q, q, q, q, out, lse.squeeze(-1).t().contiguous(), cu, cu, None, cu, cu, 64, 64,
+                                       0.0, True, scale=0.1)

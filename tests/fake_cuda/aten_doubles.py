@@ -104,19 +104,25 @@ def _flash_common(op, a, known) -> None:
     _need(k.shape[-1] == d and v.shape == k.shape, op, f"q {list(q.shape)}, k {list(k.shape)}, v "
           f"{list(v.shape)}: one head dim, k and v one shape")
     _need(q.shape[1] % k.shape[1] == 0, op, f"k heads {k.shape[1]} must divide q heads {q.shape[1]}")
-    for side, cu, rows, longest in (("q", a["cum_seq_q"], q.shape[0], a["max_q"]),
-                                    ("k", a["cum_seq_k"], k.shape[0], a["max_k"])):
+    _cumulative_lengths(op, a, known, q.shape[0], k.shape[0], "cu_seqlens_", "max_seqlen_")
+
+
+def _cumulative_lengths(op, a, known, q_rows: int, k_rows: int, prefix: str, max_prefix: str) -> None:
+    """``cum_seq_q`` / ``_k``: contiguous 1-D int32 of one batch; where the values are known, rising
+    from 0, within the tensors' rows, no sequence longer than ``max_q`` / ``max_k``."""
+    for side, cu, rows, longest in (("q", a["cum_seq_q"], q_rows, a["max_q"]), ("k", a["cum_seq_k"], k_rows,
+                                                                                  a["max_k"])):
         _need(cu.dtype == torch.int32 and cu.dim() == 1 and cu.is_contiguous(), op,
-              f"cu_seqlens_{side}: contiguous 1-D int32")
+              f"{prefix}{side}: contiguous 1-D int32")
         values = known(cu)
         if values is None:
             continue
         _need(values[0] == 0 and all(y >= x for x, y in zip(values, values[1:])), op,
-              f"cu_seqlens_{side} must rise from 0")
-        _need(values[-1] <= rows, op, f"cu_seqlens_{side} ends at row {values[-1]}, the tensor holds {rows} rows")
-        _need(longest >= max(y - x for x, y in zip(values, values[1:])), op, f"max_seqlen_{side} {longest} "
+              f"{prefix}{side} must rise from 0")
+        _need(values[-1] <= rows, op, f"{prefix}{side} ends at row {values[-1]}, the tensor holds {rows} rows")
+        _need(longest >= max(y - x for x, y in zip(values, values[1:])), op, f"{max_prefix}{side} {longest} "
               "is shorter than a sequence")
-    _need(a["cum_seq_k"].numel() == a["cum_seq_q"].numel(), op, "cu_seqlens_q and _k: one batch")
+    _need(a["cum_seq_k"].numel() == a["cum_seq_q"].numel(), op, f"{prefix}q and _k: one batch")
 
 
 def flash_forward(a, known) -> None:
@@ -250,19 +256,7 @@ def _ragged_common(op, a, known) -> None:
     _need(k.shape[-1] == d == v.shape[-1] and d % 8 == 0 and d <= 128, op, f"head dims {d}, {k.shape[-1]}, "
           f"{v.shape[-1]}: one, a multiple of 8, at most 128")
     _need(a["attn_bias"] is None, op, "attn_bias not yet supported with cuDNN Attention and NestedTensor")
-    for side, cu, rows, longest in (("q", a["cum_seq_q"], q.shape[0], a["max_q"]),
-                                    ("k", a["cum_seq_k"], k.shape[0], a["max_k"])):
-        _need(cu.dtype == torch.int32 and cu.dim() == 1 and cu.is_contiguous(), op,
-              f"cum_seq_{side}: contiguous 1-D int32")
-        values = known(cu)
-        if values is None:
-            continue
-        _need(values[0] == 0 and all(y >= x for x, y in zip(values, values[1:])), op,
-              f"cum_seq_{side} must rise from 0")
-        _need(values[-1] <= rows, op, f"cum_seq_{side} ends at row {values[-1]}, the tensor holds {rows} rows")
-        _need(longest >= max(y - x for x, y in zip(values, values[1:])), op, f"max_{side} {longest} is shorter "
-              "than a sequence")
-    _need(a["cum_seq_k"].numel() == a["cum_seq_q"].numel(), op, "cum_seq_q and _k: one batch")
+    _cumulative_lengths(op, a, known, q.shape[0], k.shape[0], "cum_seq_", "max_")
 
 
 def ragged_cudnn_forward(a, known) -> None:
