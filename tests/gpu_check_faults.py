@@ -50,3 +50,16 @@ def raising_part(items, count: int) -> None:
         return [{"item": i}]
 
     items.run(range(count), run, lambda i: f"item {i}")
+
+
+def grouped_fault_part(items, bad: int, good: int) -> None:
+    """``bad`` items of group ``bad`` that each end the process as a CUDA fault does, then ``good``
+    items of group ``good``: a kernel that kills the device on every case, before a sound one."""
+
+    def run(item):
+        if item[0] == "bad":
+            os._exit(134)
+        return [{"item": item[1]}]
+
+    work = [("bad", i) for i in range(bad)] + [("good", i) for i in range(good)]
+    items.run(work, run, lambda item: f"{item[0]} {item[1]}", group=lambda item: item[0])

@@ -42,6 +42,57 @@ def test_tables_have_one_cell_per_column():
     assert table[3].endswith("flash_attn needs flash-attn 2.x |")
 
 
+def test_accuracy_draws_each_distinct_input_set_once_on_the_device(monkeypatch):
+    """The accuracy part's cases share 12 input sets (heads x head dims x input layout): each is
+    drawn once per process, on the case's device, and every case gets its own rounded copy (the
+    H100 session drew ~7.35 G float64 normals on one CPU core, every case anew)."""
+    devices = []
+    draw = gpu_check_kernels.randn
+    monkeypatch.setattr(gpu_check_kernels, "randn", lambda shape, gen, device, dtype: devices.append(device)
+                        or draw(shape, gen, device, dtype))
+    gpu_check_kernels._draws.cache_clear()
+    cases = gpu_check_kernels.all_cases([torch.bfloat16, torch.float32], [(16, 16), (24, 16)], ["reference"])
+    seen = []
+    for case in cases:
+        x = gpu_check_kernels._inputs(case, gpu_check_kernels.varlen_call(20, case.window), CPU)
+        assert all(t.dtype == case.dtype and t.device == CPU for t in x)
+        assert not any(t.untyped_storage().data_ptr() == s for t in x for s in seen)  # a copy per case
+        seen = [t.untyped_storage().data_ptr() for t in x]
+    assert len(cases) == 96 and gpu_check_kernels._draws.cache_info().misses == 12
+    assert set(devices) == {CPU} and len(devices) == 8 * 4 + 4 * 2  # b1, b2: q, k, v, dO; fused: qkv, dO
+
+
+def test_parts_run_autos_kernels_first_and_the_reference_last():
+    """A part cut by its time loses the fallbacks, not auto's Hopper kernels."""
+    order = gpu_check_kernels.kernel_order([rule.name for rule in RULES])
+    assert order[0] == "torch_cuda_cudnn" and order[-1] == "reference"
+    assert order.index("torch_cuda_flash") < order.index("flash_attn") < order.index("reference")
+    cases = gpu_check_kernels.all_cases([torch.bfloat16], [(16, 16)])
+    assert cases[0].kernel == "torch_cuda_cudnn" and cases[-1].kernel == "reference"
+
+
+def test_packed_documents_are_timed_against_autos_packed_kernel(monkeypatch):
+    """The timing part's packed row (4 documents in one call): the kernel against the yardstick
+    (FA2's adapter on a GPU, the reference here) on the same tensors, after they agree; a kernel
+    that differs is refused before it is timed."""
+    row = gpu_check_kernels.time_packed("torch_cpu_flash", torch.float32, (16, 16), 64, 2, CPU, 1)
+    assert row.against == "reference" and row.vs_sdpa < 1e-5 and row.shape.endswith("4 documents")
+    assert gpu_check_kernels.packed_call(64).cu_seqlens_q == (0, 6, 25, 38, 64)
+    combos = gpu_check_kernels.timing_combinations(["torch_cpu_flash", "reference"], [torch.float32], [(16, 16)], CPU)
+    assert combos == [("torch_cpu_flash", torch.float32, (16, 16), c) for c in (True, False, "packed")]
+
+    class Wrong(ReferenceKernel):
+        def forward(self, *args, **kwargs):
+            out, lse = super().forward(*args, **kwargs)
+            return out * 1.1, lse
+
+    real = gpu_check_kernels.make_kernel
+    monkeypatch.setattr(gpu_check_kernels, "make_kernel", lambda name: Wrong() if name == "torch_cpu_flash"
+                        else real(name))
+    with pytest.raises(ValueError, match="differs from reference on packed documents"):
+        gpu_check_kernels.time_packed("torch_cpu_flash", torch.float32, (16, 16), 64, 2, CPU, 1)
+
+
 def test_a_wrong_kernel_is_a_failed_row(monkeypatch):
     class Wrong(ReferenceKernel):
         def backward(self, *args, **kwargs):
@@ -168,6 +219,18 @@ def test_a_dead_part_keeps_its_rows_and_the_others_run(tmp_path):
     assert [w["dies"] for w in written] == ["errors"] * 4 and written[0]["raises"] == "not run"
 
 
+def test_a_kernel_that_kills_the_device_every_time_costs_one_restart(tmp_path):
+    """After an item of a group (a kernel) kills the process, the fresh process skips the rest of
+    that group: six deadly items cost one restart, and the sound group after them still runs
+    (before: all four restarts spent on the deadly group, the sound one never reached)."""
+    part = Part("grouped", "tests.gpu_check_faults:grouped_fault_part", {"bad": 6, "good": 2}, 60)
+    result = run_parts([part], tmp_path / "log", 120, lambda r: None)["grouped"]
+    assert result.rows == [{"item": 0}, {"item": 1}]
+    assert result.errors == ["bad 0: the process died (exit 134)", "bad: 5 more items skipped: an earlier one lost "
+                             "the device"]
+    assert (tmp_path / "log").read_text().count("=== part grouped") == 2
+
+
 def test_cpu_selfcheck_runs_every_part(tmp_path):
     out = tmp_path / "gpu_check.md"
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
@@ -190,9 +253,10 @@ def test_cpu_selfcheck_runs_every_part(tmp_path):
         else:
             assert all(r[6] == "PASS" for r in mine)
     assert "| torch_cpu_flash | fp32 | 24, 16 | causal | 1x2x128x24/16 |" in text  # timing vs SDPA
+    assert "| torch_cpu_flash | fp32 | 24, 16 | causal | 1x2x128x24/16, 4 documents | reference |" in text
     for p, c in ((4, 1), (4, 2)):
         assert f"| 256 | {p} | {c} | 2/2 x 16 | torch_cpu_flash |" in text  # one-rank run
-    assert "Efficiency at C = 2:" in text
+    assert "Efficiency at C = 2, 256 tokens:" in text
     for check in ("transport of the backend", "self exchange"):  # part 4, on gloo here
         assert f"| {check} | ok |" in text
     assert "accuracy ok" in text and "transport ok" in text and "## Errors" not in text

@@ -10,13 +10,14 @@ import pytest
 import torch
 
 from megatron_startrail import kernels
+from megatron_startrail.kernels.cudnn_varlen import TorchCUDACudnnVarlenKernel, ragged_fits
 from megatron_startrail.kernels.torch_cuda import TorchCUDACudnnKernel, TorchCUDAEfficientKernel, TorchCUDAFlashKernel
 from megatron_startrail.layout import KernelCall
 from tests import flash_attn_fakes
 from tests.fake_cuda.aten_doubles import ContractViolation, OpContracts
 
 aten = torch.ops.aten
-CUDA_ADAPTERS = [TorchCUDAFlashKernel(), TorchCUDAEfficientKernel(), TorchCUDACudnnKernel()]
+CUDA_ADAPTERS = [TorchCUDAFlashKernel(), TorchCUDAEfficientKernel(), TorchCUDACudnnKernel(), TorchCUDACudnnVarlenKernel()]
 
 # (name, sequences (sq, sk), window): the masks the schedule makes
 CALLS = [
@@ -63,11 +64,14 @@ def run(kernel, call, b, heads, kv_heads, dqk, dv, dtype, strided):
 def test_cuda_adapters_meet_the_op_contracts(kernel, name, lengths, window, b, heads, kv_heads, dqk, dv, strided):
     call = KernelCall.back_to_back(lengths, window)
     dtypes = [torch.bfloat16] + ([torch.float32] if kernel.name == "torch_cuda_efficient" else [])
-    if kernel.name == "torch_cuda_cudnn" and dqk > 128:
+    if kernel.name.startswith("torch_cuda_cudnn") and dqk > 128:
         pytest.skip("cuDNN: head dims up to 128 (auto's rule)")
     for dtype in dtypes:
         checked = run(kernel, call, b, heads, kv_heads, dqk, dv, dtype, strided)
         assert len(checked) == 2 and min(checked.values()) >= 1, checked
+        if kernel.name == "torch_cuda_cudnn_varlen":  # the ragged op where cuDNN's rule is flash-attn's, one launch
+            ragged = {"aten._cudnn_attention_forward.default": 1, "aten._cudnn_attention_backward.default": 1}
+            assert (checked == ragged) == ragged_fits(call), (name, checked)
 
 
 def test_cudnn_folds_a_dense_call_into_one_launch():
@@ -176,11 +180,12 @@ def test_folded_sequences_are_exact(monkeypatch, lengths, window):
     # The CPU kernels and the CUDA adapters on float64 emulations of their ops, batch 2, GQA, MLA
     # dims: a dense call in one launch gives the float64 reference call's
     # out, lse and gradients (sequence by sequence, autograd, nothing of the kernels).
-    from megatron_startrail.kernels import torch_cuda
+    from megatron_startrail.kernels import cudnn_varlen, torch_cuda
     from tests.test_kernel_selection import _EmulatedAtenOps
     from tests.test_kernels_and_merge import float64_call
 
     monkeypatch.setattr(torch_cuda, "_aten", _EmulatedAtenOps())
+    monkeypatch.setattr(cudnn_varlen, "_aten", _EmulatedAtenOps())
     gen = torch.Generator().manual_seed(7)
     call = KernelCall.back_to_back(lengths, window)
     tq, tk, b, h, kvh = call.cu_seqlens_q[-1], call.cu_seqlens_k[-1], 2, 4, 2
@@ -192,3 +197,22 @@ def test_folded_sequences_are_exact(monkeypatch, lengths, window):
         grads = kernel.backward(dout, q, k, v, out, lse, call, scale=0.3)
         for got, ref in zip((out, lse, *grads), want):
             assert got.shape == ref.shape and torch.allclose(got, ref, rtol=0, atol=1e-12), kernel.name
+
+
+def test_ragged_cudnn_double_refuses_what_pytorchs_source_rules_out():
+    """cuDNN's ragged op (the double, from PyTorch's sources): K/V at their own head count (no GQA on
+    this path), strided rows, or an lse not laid out as the forward returned it are refused."""
+    meta = lambda *shape, dtype=torch.bfloat16: torch.empty(*shape, dtype=dtype, device="meta")  # noqa: E731
+    cu = torch.zeros(3, dtype=torch.int32, device="meta")
+    q, k = meta(96, 4, 64), meta(96, 2, 64)
+    with OpContracts(), pytest.raises(ContractViolation, match="one head count"):
+        aten._cudnn_attention_forward(q, k, k, None, cu, cu, 64, 64, True, 0.0, True, False, scale=0.1)
+    strided = meta(96, 8, 64)[:, ::2]
+    with OpContracts(), pytest.raises(ContractViolation, match="dense rows"):
+        aten._cudnn_attention_forward(strided, q, q, None, cu, cu, 64, 64, True, 0.0, True, False, scale=0.1)
+    with OpContracts():
+        out, lse = aten._cudnn_attention_forward(q, q, q, None, cu, cu, 64, 64, True, 0.0, True, False, scale=0.1)[:2]
+    assert out.shape == (96, 4, 64) and lse.shape == (96, 4, 1) and lse.dtype == torch.float32
+    with OpContracts(), pytest.raises(ContractViolation, match=r"logsumexp \[4, 96\]"):
+        aten._cudnn_attention_backward(q, q, q, q, out, lse.squeeze(-1).t().contiguous(), cu, cu, None, cu, cu, 64, 64,
+                                       0.0, True, scale=0.1)

@@ -37,6 +37,7 @@ from megatron_startrail.kernels.padding import (
     pad_lse_rows,
     trim_lse,
 )
+from megatron_startrail.kernels.cudnn_varlen import TorchCUDACudnnVarlenKernel
 from megatron_startrail.kernels.torch_cuda import TorchCUDACudnnKernel, TorchCUDAEfficientKernel, TorchCUDAFlashKernel
 from megatron_startrail.megatron.arguments import add_startrail_args
 from megatron_startrail.layout import KernelCall
@@ -535,18 +536,44 @@ class _EmulatedAtenOps:
         assert lse.dim() == 4 and lse.shape[-1] == 1 and all(t.is_contiguous() for t in (dout, q, k, v, out))
         return self._dense_bwd(dout, q, k, v, out, lse.squeeze(-1), bias, is_causal, scale)
 
+    def _ragged(self, q, k, v, cq, ck, is_causal):
+        """cuDNN's ragged op: ``[total, h, d]`` dense rows, no GQA, top-left causal (taken here only
+        on square sequences, where it is flash-attn's bottom-right rule)."""
+        assert q.shape[1] == k.shape[1] == v.shape[1], "cuDNN's ragged op takes no GQA"
+        assert all(t.is_contiguous() for t in (q, k, v)) and q.shape[-1] == v.shape[-1]
+        call, tensors = _reference_varlen(q, k, v, cq, ck, (-1, 0) if is_causal else (-1, -1))
+        assert not is_causal or torch.equal(cq.diff(), ck.diff()), "top-left causal on a non-square sequence"
+        return call, tensors
 
-@pytest.mark.parametrize("kernel", [TorchCUDAFlashKernel(), TorchCUDAEfficientKernel(), TorchCUDACudnnKernel()],
-                         ids=lambda k: k.name)
+    def _cudnn_attention_forward(self, q, k, v, bias, cq, ck, mq, mk, compute_lse, p, is_causal, debug, *, scale):
+        assert bias is None and compute_lse and p == 0.0
+        call, (q4, k4, v4) = self._ragged(q, k, v, cq, ck, is_causal)
+        assert (mq, mk) == (call.max_seqlen_q, call.max_seqlen_k)
+        out, lse = self.ref.forward(q4, k4, v4, call, scale=scale)
+        return out.squeeze(1), lse.squeeze(0).transpose(0, 1).unsqueeze(-1), cq, ck, mq, mk, None, None, None
+
+    def _cudnn_attention_backward(self, dout, q, k, v, out, lse, seed, offset, bias, cq, ck, mq, mk, p, is_causal, *,
+                                  scale):
+        assert bias is None and lse.is_contiguous() and lse.shape == (q.shape[0], q.shape[1], 1)
+        assert dout.is_contiguous() and out.is_contiguous()
+        call, (q4, k4, v4) = self._ragged(q, k, v, cq, ck, is_causal)
+        g = self.ref.backward(dout.unsqueeze(1), q4, k4, v4, out.unsqueeze(1), lse.squeeze(-1).transpose(0, 1)
+                              .unsqueeze(0), call, scale=scale)
+        return tuple(x.squeeze(1) for x in g)
+
+
+@pytest.mark.parametrize("kernel", [TorchCUDAFlashKernel(), TorchCUDAEfficientKernel(), TorchCUDACudnnKernel(),
+                                    TorchCUDACudnnVarlenKernel()], ids=lambda k: k.name)
 @pytest.mark.parametrize("dqk, dv", [(24, 16), (20, 20), (12, 20)])
 @pytest.mark.parametrize("window", [(-1, 0), (-1, -1), (5, 0), (0, -1)], ids=str)
 def test_cuda_adapters_against_emulated_ops(monkeypatch, kernel, dqk, dv, window):
     # GQA, head-dim padding (MLA, and dims not a multiple of 8), the ops' lse layouts and
     # flash-attn's window rule over a variable-length call (sequences of unequal lengths,
     # batch 2), end to end in float64 against the reference; 40 rows is not a multiple of 32.
-    from megatron_startrail.kernels import torch_cuda
+    from megatron_startrail.kernels import cudnn_varlen, torch_cuda
 
     monkeypatch.setattr(torch_cuda, "_aten", _EmulatedAtenOps())
+    monkeypatch.setattr(cudnn_varlen, "_aten", _EmulatedAtenOps())
     gen = torch.Generator().manual_seed(13)
     call = varlen([(40, 40), (9, 16)], window)
     b, h, kvh = 2, 4, 2

@@ -189,3 +189,49 @@ def test_the_attention_layer_asks_for_its_class(monkeypatch):
     assert (req.batch, req.gqa_ratio, req.mask, req.packed, req.capability) == (2, 2, "window", True, (9, 0))
     with pytest.raises(ValueError, match="mask='sliding'"):
         KernelRequest("cuda", torch.bfloat16, 128, 128, mask="sliding")
+
+
+# --- unmeasured GPUs newer than Hopper follow the sm90 table; cuDNN's ragged op is forced only --
+
+def test_an_unmeasured_newer_gpu_follows_the_sm90_table_and_an_a100_keeps_its_order():
+    for capability in ((10, 0), (10, 3), (12, 0), (9, 1)):
+        for (cls, choice), (_, sm90) in zip(auto_choices(capability), auto_choices((9, 0))):
+            assert choice.name == sm90.name, (capability, cls)
+            if choice.name != "reference":
+                assert f"sm{capability[0]}{capability[1]} is unmeasured" in choice.reason and "follows the sm90" \
+                    in choice.reason, choice.reason
+    dense = request(device_type="cuda", dtype=torch.bfloat16, qk_head_dim=128, v_head_dim=128,
+                    available=EVERY_BACKEND, capability=(10, 0))
+    assert choose_kernel(dense).name == "torch_cuda_cudnn"
+    a100 = choose_kernel(request(**{**dense.__dict__, "capability": (8, 0)}))
+    assert a100.name == "flash_attn" and "unmeasured on this device" in a100.reason
+
+
+def test_a_newer_gpu_warns_once_that_it_follows_the_h100(monkeypatch):
+    import warnings  # noqa: PLC0415
+
+    from megatron_startrail import kernels  # noqa: PLC0415
+
+    kernels._warn_once.cache_clear()
+    req = request(device_type="cuda", dtype=torch.bfloat16, qk_head_dim=128, v_head_dim=128,
+                  available=EVERY_BACKEND, capability=(10, 0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            assert kernels._choose(req, "auto").name == "torch_cuda_cudnn"
+        kernels._choose(request(**{**req.__dict__, "capability": (9, 0)}), "auto")
+    assert [str(w.message) for w in caught] == [
+        "StarTrail's kernel choice on this unmeasured GPU (compute capability 10.0) follows the H100's (sm90) table: "
+        "run scripts/gpu_session.sh on it and commit its tables to measure it"]
+
+
+def test_cudnn_varlen_is_forced_only_until_a_gpu_table_measures_it():
+    for capability in ((9, 0), (10, 0), (8, 0), None):
+        assert all(choice.name != "torch_cuda_cudnn_varlen" for _, choice in auto_choices(capability))
+    packed = request(device_type="cuda", dtype=torch.bfloat16, qk_head_dim=128, v_head_dim=128,
+                     available=EVERY_BACKEND, packed=True, capability=(9, 0))
+    assert choose_kernel(packed).name == "torch_cuda_flash"
+    forced = choose_kernel(packed, "torch_cuda_cudnn_varlen")
+    assert forced.name == "torch_cuda_cudnn_varlen" and "forced" in forced.reason
+    assert any(r.kernel == "torch_cuda_cudnn_varlen" and "faster than torch_cuda_flash" in r.reason
+               for r in measured.SM90.left_out)

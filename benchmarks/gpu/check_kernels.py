@@ -19,6 +19,7 @@ that both compute the same (:func:`agreement`).
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from benchmarks.gpu.check_parts import device_lost
 from megatron_startrail.kernels import (RULES, KernelRequest, ReferenceKernel, kernel_constraint, make_kernel,
                                         usable_backends)
+from megatron_startrail.kernels.measured import SM90
 from megatron_startrail.layout import KernelCall
 
 # max |error| / max |reference| allowed, per input dtype (as the project's tests use).
@@ -78,8 +80,18 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 WINDOWS = ((-1, -1), (-1, 0), (37, 0), (0, -1))
 
 
+def kernel_order(names) -> list[str]:
+    """The order the parts run kernels in, so that the end of a part's time cuts the fallbacks,
+    not auto's picks: the kernels of the Hopper table (:data:`~megatron_startrail.kernels.measured.SM90`)
+    in its order, then the other fused kernels, the reference kernel last."""
+    rank = {name: i for i, name in enumerate(dict.fromkeys(rule.kernel for rule in SM90.rules))}
+    fallback = len(rank) + len(RULES)
+    position = {rule.name: i for i, rule in enumerate(RULES)}
+    return sorted(names, key=lambda n: (rank.get(n, len(rank)) if n != "reference" else fallback, position.get(n, 0)))
+
+
 def all_cases(dtypes, dims_list, kernels=None, layouts=tuple(LAYOUTS)) -> list[Case]:
-    names = kernels or [rule.name for rule in RULES]
+    names = kernel_order(kernels or [rule.name for rule in RULES])
     return [
         Case(name, dtype, dims, window, heads, layout)
         for name in names for dtype in dtypes for dims in dims_list
@@ -94,25 +106,39 @@ def varlen_call(seq: int, window: tuple[int, int]) -> KernelCall:
     return KernelCall.back_to_back([(seq, seq), (seq // 2 + 3, seq + 5), (seq - 7, seq + 1)], window)
 
 
-def _rounded(shape, dtype, gen) -> torch.Tensor:
-    return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+def randn(shape, gen: torch.Generator | None, device, dtype) -> torch.Tensor:
+    """Normal draws made on ``device`` (a GPU draws them itself: the host never makes billions of
+    them on one core, as the H100 session's accuracy and 1M parts did)."""
+    return torch.randn(shape, generator=gen, device=device, dtype=dtype)
+
+
+def generator(device, seed: int) -> torch.Generator:
+    return torch.Generator(device=torch.device(device)).manual_seed(seed)
+
+
+@functools.lru_cache(maxsize=16)
+def _draws(shapes: tuple, device: torch.device, seed: int) -> tuple[torch.Tensor, ...]:
+    """float64 normals of these shapes, drawn once per process and set of shapes (the accuracy
+    part's 1008 cases have 12 distinct input sets: heads x head dims x input layout); each case
+    rounds them to its dtype."""
+    gen = generator(device, seed)
+    return tuple(randn(shape, gen, device, torch.float64) for shape in shapes)
 
 
 def _inputs(case: Case, call: KernelCall, device, seed: int = 0):
     """q, k, v, dout ``[T, b, h, d]`` in the case's dtype, laid out as ``case.layout`` says."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
     (h, hkv), (dqk, dv) = case.heads, case.dims
     batch, strided = LAYOUTS[case.layout]
     tq, tk = call.cu_seqlens_q[-1], call.cu_seqlens_k[-1]
+    device = torch.device(device)
     if not strided:
-        shapes = [(tq, batch, h, dqk), (tk, batch, hkv, dqk), (tk, batch, hkv, dv), (tq, batch, h, dv)]
-        return [_rounded(s, case.dtype, gen).to(device) for s in shapes]
+        shapes = ((tq, batch, h, dqk), (tk, batch, hkv, dqk), (tk, batch, hkv, dv), (tq, batch, h, dv))
+        return [x.to(case.dtype, copy=True) for x in _draws(shapes, device, seed)]
     g = h // hkv
-    fused = _rounded((max(tq, tk), batch, hkv, g * dqk + dqk + dv), case.dtype, gen).to(device)
-    q, k, v = torch.split(fused, [g * dqk, dqk, dv], dim=3)
+    fused, dout = _draws(((max(tq, tk), batch, hkv, g * dqk + dqk + dv), (batch, tq, h, dv)), device, seed)
+    q, k, v = torch.split(fused.to(case.dtype, copy=True), [g * dqk, dqk, dv], dim=3)
     q = q[:tq].reshape(tq, batch, h, dqk)  # a strided view for MHA; Megatron's reshape copies for GQA
-    dout = _rounded((batch, tq, h, dv), case.dtype, gen).to(device).transpose(0, 1)
-    return [q, k[:tk], v[:tk], dout]
+    return [q, k[:tk], v[:tk], dout.to(case.dtype, copy=True).transpose(0, 1)]
 
 
 def check_case(case: Case, seq: int, device: torch.device, available: frozenset[str]) -> AccuracyRow:
@@ -158,7 +184,8 @@ def accuracy_part(items, dtypes: list[str], dims: list[list[int]], kernels: list
     dev = torch.device(device)
     available = usable_backends(dev)
     cases = all_cases([DTYPES[d] for d in dtypes], [tuple(d) for d in dims], kernels, layouts or tuple(LAYOUTS))
-    items.run(cases, lambda c: [check_case(c, block_seq, dev, available).to_json()], describe)
+    items.run(cases, lambda c: [check_case(c, block_seq, dev, available).to_json()], describe,
+              group=lambda c: c.kernel)
 
 
 def describe(case: Case) -> str:
@@ -203,22 +230,23 @@ class TimingRow:
     causal: bool
     shape: str
     kernel_ms: float
-    sdpa_ms: float
-    vs_sdpa: float  # max relative difference of out, dq, dk, dv from SDPA's, checked before timing
+    sdpa_ms: float  # the yardstick's time: SDPA's, or for packed documents ``against``'s
+    vs_sdpa: float  # max relative difference of out, dq, dk, dv from the yardstick's, checked before timing
+    against: str = "sdpa"  # the yardstick: torch SDPA, or (packed documents) auto's packed kernel
 
     def to_json(self) -> dict:
         return {"kernel": self.kernel, "dtype": DTYPE_NAMES[self.dtype], "dims": list(self.dims),
                 "causal": self.causal, "shape": self.shape, "kernel_ms": self.kernel_ms, "sdpa_ms": self.sdpa_ms,
-                "vs_sdpa": self.vs_sdpa}
+                "vs_sdpa": self.vs_sdpa, "against": self.against}
 
 
 def timing_inputs(seq: int, heads: int, dims, dtype, device):
     """``(q, k, v, dout)`` ``[seq, 1, heads, d]`` as the block kernels take them, and the same
     tensors as ``[1, heads, seq, d]`` views for SDPA (its leaves q, k, v need grad)."""
     dqk, dv = dims
-    gen = torch.Generator(device="cpu").manual_seed(1)
-    q, k = (torch.randn(seq, 1, heads, dqk, generator=gen).to(device, dtype) for _ in range(2))
-    v, dout = (torch.randn(seq, 1, heads, dv, generator=gen).to(device, dtype) for _ in range(2))
+    gen = generator(device, 1)
+    q, k = (randn((seq, 1, heads, dqk), gen, device, dtype) for _ in range(2))
+    v, dout = (randn((seq, 1, heads, dv), gen, device, dtype) for _ in range(2))
     block = (q, k, v, dout)
     qs, ks, vs, douts = (t.permute(1, 2, 0, 3) for t in block)
     return block, (*(t.detach().requires_grad_(True) for t in (qs, ks, vs)), douts)
@@ -269,12 +297,49 @@ def time_kernel(name: str, dtype, dims, causal: bool, seq: int, heads: int, devi
     return TimingRow(name, dtype, dims, causal, shape, timer(block, iters), timer(sdpa, iters), vs_sdpa)
 
 
+# Packed documents: 4 documents of 10/30/20/40% of the sequence, causal, in one call (what a
+# StarTrail rank's diagonal step makes of packed sequences); timed against auto's packed kernel on
+# the same tensors, since SDPA takes no packed call. Where cuDNN's ragged adapter is faster than
+# FA2 here and PASSes the accuracy part, it may enter auto's sm90 table for packed layers.
+PACKED_YARDSTICK = {"cuda": "torch_cuda_flash", "cpu": "reference"}
+PACKED_KERNELS = ("torch_cuda_cudnn_varlen", "torch_cuda_cudnn", "torch_cpu_flash")
+
+
+def packed_call(seq: int) -> KernelCall:
+    cuts = [0] + [seq * f // 10 for f in (1, 4, 6)] + [seq]
+    return KernelCall.back_to_back([(b - a, b - a) for a, b in zip(cuts, cuts[1:])], (-1, 0))
+
+
+def time_packed(name: str, dtype, dims, seq: int, heads: int, device, iters: int) -> TimingRow:
+    """One block kernel's forward + backward on a packed call (:func:`packed_call`) against the
+    yardstick kernel's on the same tensors, after checking they agree."""
+    dqk, dv = dims
+    (q, k, v, dout), _ = timing_inputs(seq, heads, dims, dtype, device)
+    scale, call, timer = dqk**-0.5, packed_call(seq), _timer(device)
+    yardstick = PACKED_YARDSTICK[device.type]
+
+    def step(kernel):
+        def run():
+            with torch.no_grad():
+                out, lse = kernel.forward(q, k, v, call, scale=scale)
+                return out, kernel.backward(dout, q, k, v, out, lse, call, scale=scale)
+        return run
+
+    mine, theirs = step(make_kernel(name)), step(make_kernel(yardstick))
+    (out, grads), (want_out, want_grads) = mine(), theirs()
+    worst = max(relative_error(a, b.double()) for a, b in zip((out, *grads), (want_out, *want_grads)))
+    if not worst <= 2 * TOLERANCE[dtype]:
+        raise ValueError(f"{name} differs from {yardstick} on packed documents by {worst:.1e}: not timed")
+    shape = f"1x{heads}x{seq}x{dqk}/{dv}, 4 documents"
+    return TimingRow(name, dtype, dims, True, shape, timer(mine, iters), timer(theirs, iters), worst, yardstick)
+
+
 def timing_combinations(kernels, dtypes, dims_list, device, passed=None) -> list[tuple]:
     """(kernel, dtype, dims, causal) to time: the kernel takes them on this device and, when
     ``passed`` (``[kernel, dtype name, dims]`` lists) is given, it passed the accuracy part there."""
     available = usable_backends(device)
     combos = []
-    for name in kernels or [rule.name for rule in RULES]:
+    for name in kernel_order(kernels or [rule.name for rule in RULES]):
         if name == "reference":
             continue  # materializes the score matrix: not a speed contender
         for dtype in dtypes:
@@ -283,6 +348,8 @@ def timing_combinations(kernels, dtypes, dims_list, device, passed=None) -> list
                 if kernel_constraint(name, req) is None and (
                         passed is None or [name, DTYPE_NAMES[dtype], list(dims)] in passed):
                     combos += [(name, dtype, tuple(dims), causal) for causal in (True, False)]
+                    if name in PACKED_KERNELS:
+                        combos.append((name, dtype, tuple(dims), "packed"))
     return combos
 
 
@@ -291,5 +358,10 @@ def timing_part(items, kernels: list[str] | None, dtypes: list[str], dims: list[
     """The kit's timing part (child side): one item per (kernel, dtype, dims, causal)."""
     dev = torch.device(device)
     combos = timing_combinations(kernels, [DTYPES[d] for d in dtypes], dims, dev, passed)
-    items.run(combos, lambda c: [time_kernel(*c, seq, heads, dev, iters).to_json()],
-              lambda c: f"timing {c[0]} {DTYPE_NAMES[c[1]]} {c[2]} causal={c[3]}")
+    def run(c):
+        if c[3] == "packed":
+            return [time_packed(*c[:3], seq, heads, dev, iters).to_json()]
+        return [time_kernel(*c, seq, heads, dev, iters).to_json()]
+
+    items.run(combos, run, lambda c: f"timing {c[0]} {DTYPE_NAMES[c[1]]} {c[2]} " + (
+        "packed" if c[3] == "packed" else f"causal={c[3]}"), group=lambda c: c[0])

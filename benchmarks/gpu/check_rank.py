@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from benchmarks import RESULTS
-from benchmarks.gpu.check_kernels import DTYPE_NAMES, DTYPES, _timer
+from benchmarks.gpu.check_kernels import DTYPE_NAMES, DTYPES, _timer, generator, randn
 from megatron_startrail import new_startrail_groups, startrail_attn
 from megatron_startrail.accounting import AttentionShape, choose_backward_rotation
 from megatron_startrail.planning.memory_model import layer_memory_bytes
@@ -52,11 +52,11 @@ def _reset_peak(device) -> None:
 def fused_sdpa(tokens: int, heads: int, kv_heads: int, head_dim: int, dtype, device, iters: int) -> dict:
     """One ``F.scaled_dot_product_attention`` forward+backward over the whole causal sequence
     (default dispatch; GQA: K/V expanded to the query heads beforehand, outside the time)."""
-    gen = torch.Generator(device="cpu").manual_seed(2)
-    q = torch.randn(1, heads, tokens, head_dim, generator=gen).to(device, dtype).requires_grad_(True)
-    k, v = (torch.randn(1, kv_heads, tokens, head_dim, generator=gen).to(device, dtype)
+    gen = generator(device, 2)  # drawn on the device (1M tokens: billions of normals)
+    q = randn((1, heads, tokens, head_dim), gen, device, dtype).requires_grad_(True)
+    k, v = (randn((1, kv_heads, tokens, head_dim), gen, device, dtype)
             .repeat_interleave(heads // kv_heads, dim=1).requires_grad_(True) for _ in range(2))
-    dout = torch.randn(1, heads, tokens, head_dim, generator=gen).to(device, dtype)
+    dout = randn((1, heads, tokens, head_dim), gen, device, dtype)
 
     def step():
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -86,10 +86,10 @@ def fake_rank(world: int, rank: int):
 def rank_inputs(tokens: int, world: int, heads: int, kv_heads: int, head_dim: int, dtype, device):
     """This rank's ``q [tokens / world, 1, heads, d]``, ``k``, ``v`` (kv_heads) needing grad, and ``dout``."""
     s_local = tokens // world
-    gen = torch.Generator(device="cpu").manual_seed(3)
-    q, k, v = (torch.randn(s_local, 1, h, head_dim, generator=gen).to(device, dtype).requires_grad_(True)
+    gen = generator(device, 3)  # drawn on the device, not on one host core
+    q, k, v = (randn((s_local, 1, h, head_dim), gen, device, dtype).requires_grad_(True)
                for h in (heads, kv_heads, kv_heads))
-    dout = torch.randn(s_local, 1, heads, head_dim, generator=gen).to(device, dtype)
+    dout = randn((s_local, 1, heads, head_dim), gen, device, dtype)
     return q, k, v, dout
 
 

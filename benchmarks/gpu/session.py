@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import RESULTS
+from benchmarks.gpu import block_loop_prediction
 from benchmarks.gpu import check as gpu_check
 from benchmarks.gpu.check_parts import Part, run_parts
 from benchmarks.gpu.check_transport import TransportRow, transport_table
@@ -102,9 +103,13 @@ def session_parts(args, kit) -> list[Part]:
         "syncdebug": ("benchmarks.gpu.session_probes:sync_part", one),
         "transport": ("benchmarks.gpu.check_transport:transport_part", dict(device=device)),
         "gpt": ("benchmarks.gpu.session_gpt:gpt_part",
-                dict(configs=[[4, 2]] if cpu else [[8, 2], [16, 4]], shape=GPT_TOY if cpu else {}, device="cuda:0")),
+                dict(configs=[[4, 1], [4, 2]] if cpu else [[8, 2], [16, 4]], shape=GPT_TOY if cpu else {},
+                     device="cuda:0")),
+        # GQA 32/8 first: the layout the rehearsal and the memory model were checked on, so the end
+        # of the part's time cuts MHA's rows, not those
         "rank-1m": ("benchmarks.gpu.check_rank:rank_part",
-                    dict(rank, tokens=big, iters=0, warmup=False, fused=False)),
+                    dict(rank, layouts=sorted(rank["layouts"], key=lambda hh: hh[0] == hh[1]), tokens=big, iters=0,
+                         warmup=False, fused=False)),
     }
     parts = {p.name: p for p in gpu_check.kit_parts(kit, ["accuracy", "timing"])}
     for name, (function, kw) in kwargs.items():
@@ -134,12 +139,31 @@ def sync_table(rows: list[dict]) -> list[str]:
 
 
 def gpt_table(rows: list[dict]) -> list[str]:
-    out = ["| CP | C | tokens | params | kernel | transport | step s | peak GiB | rehearsal peak GiB | "
-           "peak / rehearsal |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| CP | C | tokens | params | kernel | transport | allocated at start GiB | step s | peak GiB | "
+           "rehearsal peak GiB | peak / rehearsal |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     return out + [f"| {r['cp']} | {r['team']} | {r['seq_length']} | {r['params']} | {', '.join(r['kernels'])} | "
-                  f"{', '.join(r['transports'])} | {r['step_seconds']:.2f} | {gpu_check._gib(r['peak_bytes'])} | "
+                  f"{', '.join(r['transports'])} | {gpu_check._gib(r.get('allocated_at_start'))} | "
+                  f"{r['step_seconds']:.2f} | {gpu_check._gib(r['peak_bytes'])} | "
                   f"{gpu_check._gib(r['rehearsal_peak_bytes'])} | {r['peak_over_rehearsal']:.2f} |" for r in rows]
+
+
+def prediction_table(rank_rows: list[dict], preds: list[dict]) -> list[str]:
+    """Each 128K rank row the committed prediction covers (``benchmarks/results/block_loop_prediction.json``:
+    auto's sm90 path), its measured efficiency beside the predicted one."""
+    fused = [r for r in rank_rows if r["kind"] == "fused"]
+    out = []
+    for r in rank_rows:
+        pred = block_loop_prediction.lookup(preds, r.get("world"), r.get("team"), r.get("heads"), r.get("kv_heads"))
+        if r["kind"] != "rank" or r["tokens"] != block_loop_prediction.TOKENS or pred is None:
+            continue
+        share = gpu_check.fused_share(r, fused)[0]
+        out.append(f"| {r['world']} | {r['team']} | {r['heads']}/{r['kv_heads']} | {r['kernel']} | "
+                   f"{r['rank_ms']:.2f} | {pred['predicted_ms']:.1f} | {share / r['rank_ms']:.2f} | "
+                   f"{pred['predicted_efficiency']:.2f} ({pred['kernel']}) |")
+    head = ["| P | C | heads q/kv | kernel measured | rank ms | predicted ms | efficiency measured | predicted |",
+            "|---|---|---|---|---|---|---|---|"]
+    return head + out if out else []
 
 
 def session_sections(results: dict) -> list[str]:
@@ -153,6 +177,10 @@ def session_sections(results: dict) -> list[str]:
                   "sequence / P) / rank time (at 1M the fused call is scaled from 128K by the square of the length). Memory: GiB above q, k, v, dO; "
                   "model `layer_memory_bytes`, rehearsal `benchmarks/results/fake_cuda_memory.json`.", ""]
         lines += gpu_check.rank_table(rank_rows) + gpu_check.efficiency_at_c2(rank_rows)
+        beside = prediction_table(rank_rows, block_loop_prediction.committed())
+        if beside:
+            lines += ["", "## Prediction beside measurement (128K, `benchmarks/results/block_loop_prediction.md`)",
+                      ""] + beside
     sections = {"profile": ("## Kernel table of one rank (torch.profiler)", profile_table),
                 "syncdebug": ("## Synchronizing operations after the first micro-batch", sync_table),
                 "transport": ("## The transport on one device",
@@ -183,6 +211,10 @@ def main(argv=None) -> int:
 
     args.device = kit.device
     results = run_parts(session_parts(args, kit), out / "gpu_session.log", args.budget_s, write)
+    beside = prediction_table([row for n in ("rank-128k",) if n in results for row in results[n].rows],
+                              block_loop_prediction.committed())
+    if beside:
+        print("[gpu_session] the block loop, predicted beside measured:\n" + "\n".join(beside), flush=True)
     files = sorted(p.name for p in out.iterdir())
     print(f"[gpu_session] wrote {', '.join(files)} in {out}", flush=True)
     return 1 if gpu_check.failed(results) else 0

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
+import weakref
 from pathlib import Path
 
 import torch
@@ -30,6 +32,7 @@ from benchmarks import RESULTS
 
 REHEARSAL = Path(RESULTS) / "fake_cuda_gpt_step.json"
 NAN = float("nan")
+LEFTOVER_BYTES = 64 * 2**20  # allocated before a configuration: more is an earlier one's storage
 
 
 class AllocatorMemory:
@@ -50,6 +53,10 @@ class AllocatorMemory:
         if self.cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+
+    def synchronize(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
 
     def live_by_op(self) -> dict:
         return {}  # the allocator does not know which op made a block
@@ -88,19 +95,49 @@ def rank_and_memory(cp: int, rank: int, device: torch.device):
             yield AllocatorMemory(device)
 
 
-def gpt_step(cp: int, team: int, shape: dict, device: torch.device) -> dict:
+class Configurations:
+    """Weak references to each configuration's parameters, so the next one can check that it
+    starts on an empty device: nothing of the last model alive, ``memory_allocated()`` ~ 0 (the
+    H100 would otherwise measure CP16 C4's peak with CP8 C2's 4.9 GiB model still allocated)."""
+
+    def __init__(self) -> None:
+        self.params: list[weakref.ref] = []
+
+    def watch(self, model) -> None:
+        self.params = [weakref.ref(p) for p in model.parameters()]
+
+    def before_next(self, device: torch.device) -> dict:
+        """Collects, empties the allocator's cache and says what is left; RuntimeError when the last
+        configuration's parameters are alive or more than LEFTOVER_BYTES are allocated."""
+        gc.collect()
+        cuda = device.type == "cuda" and not fake_cuda()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        left = {"previous_params_alive": sum(ref() is not None for ref in self.params),
+                "allocated_at_start": torch.cuda.memory_allocated() if cuda else NAN}
+        if left["previous_params_alive"] or left["allocated_at_start"] > LEFTOVER_BYTES:
+            raise RuntimeError(f"the last GPT configuration is still held ({left['previous_params_alive']} of its "
+                               f"{len(self.params)} parameters alive, {left['allocated_at_start']} bytes allocated): "
+                               "its peak would count in this one's")
+        return left
+
+
+def gpt_step(cp: int, team: int, shape: dict, device: torch.device, configurations: Configurations | None = None) -> dict:
     """One training step at ``shape`` (megatron_step's options) as rank 1 of CP ``cp``."""
     from tests.fake_cuda import megatron_step  # noqa: PLC0415 - imports megatron
 
+    configurations = configurations or Configurations()
+    start = configurations.before_next(device)
     opts = argparse.Namespace(**{**vars(megatron_step.parse([])), **shape, "cp": cp, "team": team, "rank": 1})
     config = megatron_step.gpt_config(opts)
     with rank_and_memory(cp, opts.rank, device) as memory, megatron_step.used_kernels_and_transports() as used:
-        facts = megatron_step.step_facts(opts, config, memory)
+        facts = megatron_step.step_facts(opts, config, memory, watch=configurations.watch)
     if device.type == "cuda" and not fake_cuda():
         torch.cuda.synchronize()
     facts.pop("step_marks", None)
     rehearsed = rehearsed_peak(cp, team, opts.seq_length)
-    return {**facts, "kernels": sorted(used["kernels"]), "transports": sorted(used["transports"]),
+    return {**facts, **start, "kernels": sorted(used["kernels"]), "transports": sorted(used["transports"]),
             "rehearsal_peak_bytes": rehearsed, "device": str(device),
             "peak_over_rehearsal": facts["peak_bytes"] / rehearsed if rehearsed else NAN}
 
@@ -119,5 +156,6 @@ def gpt_part(items, configs: list[list[int]], shape: dict, device: str = "cuda:0
     else:
         torch.cuda.set_device(dev.index or 0)
         megatron_on_fake_group()
-    items.run(configs, lambda c: [gpt_step(c[0], c[1], shape, dev)],
+    configurations = Configurations()
+    items.run(configs, lambda c: [gpt_step(c[0], c[1], shape, dev, configurations)],
               lambda c: f"Megatron GPT step CP{c[0]} C{c[1]} {shape.get('seq_length', 131072)} tokens")

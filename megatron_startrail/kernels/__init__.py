@@ -21,6 +21,7 @@ import torch
 
 from .base import BlockKernel
 from .builds import usable_builds
+from .measured import follows_sm90
 from .reference import ReferenceKernel
 from .selection import BACKENDS, KERNELS, RULES, KernelChoice, KernelRequest, choose_kernel, kernel_constraint
 from .torch_cpu import TorchCPUFlashKernel
@@ -129,6 +130,10 @@ def _make_kernel(name: str) -> BlockKernel:
         from .flash_attn import FlashAttn3Kernel, FlashAttnKernel  # noqa: PLC0415 - optional
 
         return FlashAttnKernel() if name == "flash_attn" else FlashAttn3Kernel()
+    if name == "torch_cuda_cudnn_varlen":
+        from .cudnn_varlen import TorchCUDACudnnVarlenKernel  # noqa: PLC0415 - GPU-only adapter
+
+        return TorchCUDACudnnVarlenKernel()
     from . import torch_cuda  # noqa: PLC0415 - GPU-only adapters
 
     return {
@@ -147,6 +152,10 @@ def _choose(request: KernelRequest, name: str) -> KernelChoice:
     choice = choose_kernel(request, name)
     if choice.name == "reference" and name == "auto":
         _warn_once(f"StarTrail uses the slow reference block kernel: {choice.reason}")
+    elif name == "auto" and request.device_type == "cuda" and follows_sm90(request.capability):
+        _warn_once(f"StarTrail's kernel choice on this unmeasured GPU (compute capability "
+                   f"{request.capability[0]}.{request.capability[1]}) follows the H100's (sm90) table: run "
+                   "scripts/gpu_session.sh on it and commit its tables to measure it")
     return choice
 
 

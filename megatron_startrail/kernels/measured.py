@@ -32,7 +32,14 @@ the reference kernel, with the reasons the others were left out)::
 Left out, with their reasons: ``torch_cuda_efficient`` in half precision at batch > 1 and for
 every masked layer (wrong gradients and raised calls on the H100, until a GPU confirms the
 fixed adapter); on sm90 ``flash_attn_3`` and ``flash_attn`` (not installed on the H100:
-unmeasured; force them with ``--startrail-kernel``).
+unmeasured; force them with ``--startrail-kernel``); ``torch_cuda_cudnn_varlen`` everywhere
+(cuDNN's ragged op for packed documents: never run on a GPU; it enters the sm90 table for
+packed layers when a committed table shows it PASS and faster than ``torch_cuda_flash``).
+
+A GPU no table measures whose compute capability is 9 or more (B200/GB200 sm100, sm120...)
+follows the sm90 table, cuDNN first, as Transformer Engine ranks cuDNN on Hopper and Blackwell
+alike (:func:`device_table`; each reason says so, and ``kernels.kernel_for`` warns once); older
+ones (A100-class sm80) keep the conservative order above.
 """
 
 from __future__ import annotations
@@ -116,6 +123,11 @@ _EFFICIENT_UNMEASURED = (
               "torch_cuda_efficient is unmeasured at head dims over 256 (the H100's float32 rows are 128/128 and "
               f"192/128; {ACCURACY})"),
 )
+_CUDNN_VARLEN = ClassRule(
+    "torch_cuda_cudnn_varlen", HALF, ANY, ANY, ANY, ANY,
+    "torch_cuda_cudnn_varlen (cuDNN's ragged op, packed documents in one launch) is unmeasured on every GPU "
+    f"(the H100 run of 2026-11-27 predates it: {ACCURACY}); it enters auto for packed layers when a committed GPU "
+    "table shows it PASS and faster than torch_cuda_flash; --startrail-kernel torch_cuda_cudnn_varlen forces it")
 _UNMEASURED_FLASH_ATTN = tuple(ClassRule(
     name, HALF, ANY, ANY, ANY, ANY,
     f"{name} is unmeasured on sm90 (not installed on the H100 of 2026-11-27: SKIP rows in {ACCURACY}); "
@@ -139,7 +151,7 @@ SM90 = DeviceTable("sm90 (H100/H200)", True, (
               "torch_cuda_efficient: the only fused kernel for float32; PASS in float32 without a mask at head dims "
               f"128/128 and 192/128, batch 2, MHA and GQA (dQ 2e-6; {ACCURACY}); float32 batch 1 one sequence: "
               f"2e-6 ({EXPERIMENT}); {BATCH_1_NOTE}"),
-), (_EFFICIENT_HALF_BATCH, _EFFICIENT_MASKED, *_UNMEASURED_FLASH_ATTN, *_EFFICIENT_UNMEASURED))
+), (_EFFICIENT_HALF_BATCH, _EFFICIENT_MASKED, *_UNMEASURED_FLASH_ATTN, *_EFFICIENT_UNMEASURED, _CUDNN_VARLEN))
 
 _GUESS = ("unmeasured on this device (no GPU table of it is committed: no A100 run yet), so a conservative order: "
           "9ee7a82's less what the H100 showed wrong")
@@ -154,12 +166,34 @@ UNMEASURED = DeviceTable("unmeasured (sm80 A100 and others)", False, (
     ClassRule("torch_cuda_efficient", HALF, ANY, ("none",), ANY, ("1",),
               f"torch_cuda_efficient: {_GUESS}; right at batch 1 in one-sequence bf16 calls on the H100 (dQ 4.8e-3; "
               f"{EXPERIMENT})"),
-), (_EFFICIENT_HALF_BATCH, _EFFICIENT_MASKED))
+), (_EFFICIENT_HALF_BATCH, _EFFICIENT_MASKED, _CUDNN_VARLEN))
+
+
+def follows_sm90(capability: tuple[int, int] | None) -> bool:
+    """An unmeasured GPU of compute capability 9 or more (sm100 B200/GB200, sm120, ...): it takes
+    the sm90 table rather than the A100-class guess."""
+    return capability is not None and tuple(capability) != (9, 0) and tuple(capability) >= (9, 0)
+
+
+def _following_sm90(capability: tuple[int, int]) -> DeviceTable:
+    sm = f"sm{capability[0]}{capability[1]}"
+    why = (f"{sm} is unmeasured (no committed GPU table of it), so it follows the sm90 (H100) table, cuDNN first, "
+           "as Transformer Engine ranks cuDNN on Hopper and Blackwell alike; ")
+
+    def moved(rule: ClassRule) -> ClassRule:
+        return ClassRule(rule.kernel, rule.dtypes, rule.head_dims, rule.masks, rule.packed, rule.batches,
+                         why + rule.reason)
+
+    return DeviceTable(f"sm90 (followed by the unmeasured {sm})", False, tuple(map(moved, SM90.rules)),
+                       tuple(map(moved, SM90.left_out)))
 
 
 def device_table(capability: tuple[int, int] | None) -> DeviceTable:
-    """The table of a GPU of this compute capability (None: not known)."""
-    return SM90 if capability == (9, 0) else UNMEASURED
+    """The table of a GPU of this compute capability (None: not known): sm90's for an H100/H200
+    and, unmeasured, for any newer GPU (:func:`follows_sm90`); the conservative one otherwise."""
+    if capability is not None and tuple(capability) == (9, 0):
+        return SM90
+    return _following_sm90(tuple(capability)) if follows_sm90(capability) else UNMEASURED
 
 
-TABLES = (SM90, UNMEASURED)
+TABLES = (SM90, UNMEASURED, _following_sm90((10, 0)))

@@ -14,6 +14,7 @@ is held to it)::
     torch_cuda_flash      cuda    bf16 fp16               <= 256; V padded           torch_flash
     torch_cuda_efficient  cuda    bf16 fp16 fp32          any, v may differ          torch_efficient
     torch_cuda_cudnn      cuda    bf16 fp16               <= 128; V padded           torch_cudnn
+    torch_cuda_cudnn_varlen cuda  bf16 fp16               <= 128; V padded           torch_cudnn
     reference             any     any                     any                        -  (last resort)
 
 ``auto`` on a CPU takes ``torch_cpu_flash``; on CUDA it follows the device's table of
@@ -73,6 +74,9 @@ RULES = (
                "aten::_scaled_dot_product_efficient_attention"),
     KernelRule("torch_cuda_cudnn", "cuda", HALF, 128, "torch_cudnn", True, True,
                "aten::_scaled_dot_product_cudnn_attention"),
+    # packed documents in one launch (kernels/cudnn_varlen.py); no device's table has it yet
+    KernelRule("torch_cuda_cudnn_varlen", "cuda", HALF, 128, "torch_cudnn", True, True,
+               "aten::_cudnn_attention_forward (variable length)"),
     KernelRule("reference", None, None, None, None, False, True, "pure PyTorch (float32 math)"),
 )
 RULES_BY_NAME = {rule.name: rule for rule in RULES}

@@ -24,6 +24,17 @@ One checker per op (``CONTRACTS``):
   head count and one head dim (the adapter pads and expands), dout laid out like out (cuDNN
   otherwise copies it, with a warning), lse ``[B, h, sq, 1]`` as the forward returned it, and
   ``max_q`` / ``max_k`` the tensors' rows (the backward sizes its graph from them).
+- ``_cudnn_attention_forward`` / ``_backward`` with ``cum_seq_q`` / ``_k`` (cuDNN's ragged
+  layout, ``build_graph_and_tensors_nestedtensor`` in PyTorch's ``MHA.cpp``; what torch 2.13's
+  ``nn.attention.varlen`` calls with its cuDNN switch on): ``[total, h, d]`` half precision in
+  dense rows (torch's varlen made them ``.contiguous()``: the ragged offsets count whole rows),
+  one head count (that varlen refuses GQA on cuDNN), one head dim (a multiple of 8, at most 128),
+  no ``attn_bias`` ("attn_bias not yet supported with cuDNN Attention and NestedTensor"), int32
+  ``cum_seq`` within the tensors; the forward returns out ``[total_q, h, d]`` and lse
+  ``[total_q, h, 1]`` float32 (``at::empty({q.size(0), h_q, 1})``), which the backward takes
+  as returned, with grad_out laid out like out. These ops have no meta kernel in torch 2.13:
+  :func:`register_ragged_cudnn_meta` gives them one (shapes as above) for the meta device and
+  fake tensors.
 """
 
 from __future__ import annotations
@@ -93,19 +104,25 @@ def _flash_common(op, a, known) -> None:
     _need(k.shape[-1] == d and v.shape == k.shape, op, f"q {list(q.shape)}, k {list(k.shape)}, v "
           f"{list(v.shape)}: one head dim, k and v one shape")
     _need(q.shape[1] % k.shape[1] == 0, op, f"k heads {k.shape[1]} must divide q heads {q.shape[1]}")
-    for side, cu, rows, longest in (("q", a["cum_seq_q"], q.shape[0], a["max_q"]),
-                                    ("k", a["cum_seq_k"], k.shape[0], a["max_k"])):
+    _cumulative_lengths(op, a, known, q.shape[0], k.shape[0], "cu_seqlens_", "max_seqlen_")
+
+
+def _cumulative_lengths(op, a, known, q_rows: int, k_rows: int, prefix: str, max_prefix: str) -> None:
+    """``cum_seq_q`` / ``_k``: contiguous 1-D int32 of one batch; where the values are known, rising
+    from 0, within the tensors' rows, no sequence longer than ``max_q`` / ``max_k``."""
+    for side, cu, rows, longest in (("q", a["cum_seq_q"], q_rows, a["max_q"]), ("k", a["cum_seq_k"], k_rows,
+                                                                                  a["max_k"])):
         _need(cu.dtype == torch.int32 and cu.dim() == 1 and cu.is_contiguous(), op,
-              f"cu_seqlens_{side}: contiguous 1-D int32")
+              f"{prefix}{side}: contiguous 1-D int32")
         values = known(cu)
         if values is None:
             continue
         _need(values[0] == 0 and all(y >= x for x, y in zip(values, values[1:])), op,
-              f"cu_seqlens_{side} must rise from 0")
-        _need(values[-1] <= rows, op, f"cu_seqlens_{side} ends at row {values[-1]}, the tensor holds {rows} rows")
-        _need(longest >= max(y - x for x, y in zip(values, values[1:])), op, f"max_seqlen_{side} {longest} "
+              f"{prefix}{side} must rise from 0")
+        _need(values[-1] <= rows, op, f"{prefix}{side} ends at row {values[-1]}, the tensor holds {rows} rows")
+        _need(longest >= max(y - x for x, y in zip(values, values[1:])), op, f"{max_prefix}{side} {longest} "
               "is shorter than a sequence")
-    _need(a["cum_seq_k"].numel() == a["cum_seq_q"].numel(), op, "cu_seqlens_q and _k: one batch")
+    _need(a["cum_seq_k"].numel() == a["cum_seq_q"].numel(), op, f"{prefix}q and _k: one batch")
 
 
 def flash_forward(a, known) -> None:
@@ -221,6 +238,72 @@ def cudnn_backward(a, known) -> None:
           f"must be the rows of q and k ({q.shape[2]}, {k.shape[2]})")
 
 
+# --- cuDNN, ragged (variable length) ---------------------------------------------------------------
+
+def _ragged_common(op, a, known) -> None:
+    q, k, v = a["query"], a["key"], a["value"]
+    _need(a["cum_seq_q"] is not None and a["cum_seq_k"] is not None, op, "the adapter calls the ragged form "
+          "(cum_seq_q and cum_seq_k given)")
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        _need(t.dim() == 3 and t.dtype in HALF and t.dtype == q.dtype, op, f"{name}: [total, heads, head dim] in "
+              f"one half-precision dtype, got {list(t.shape)} {t.dtype}")
+        _need(t.is_contiguous(), op, f"{name} {list(t.shape)} strides {t.stride()}: dense rows (the ragged offsets "
+              "count whole rows of heads x head dim)")
+    _need(q.shape[1] == k.shape[1] == v.shape[1], op, f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}: "
+          "one head count (no GQA on cuDNN's ragged path)")
+    _need(k.shape[0] == v.shape[0], op, "k and v one length")
+    d = q.shape[-1]
+    _need(k.shape[-1] == d == v.shape[-1] and d % 8 == 0 and d <= 128, op, f"head dims {d}, {k.shape[-1]}, "
+          f"{v.shape[-1]}: one, a multiple of 8, at most 128")
+    _need(a["attn_bias"] is None, op, "attn_bias not yet supported with cuDNN Attention and NestedTensor")
+    _cumulative_lengths(op, a, known, q.shape[0], k.shape[0], "cum_seq_", "max_")
+
+
+def ragged_cudnn_forward(a, known) -> None:
+    op = "aten._cudnn_attention_forward"
+    _ragged_common(op, a, known)
+    _need(a["compute_log_sumexp"], op, "compute_log_sumexp: the schedule merges with the lse")
+
+
+def ragged_cudnn_backward(a, known) -> None:
+    op = "aten._cudnn_attention_backward"
+    _ragged_common(op, a, known)
+    q, out, dout, lse = a["query"], a["out"], a["grad_out"], a["logsumexp"]
+    _out_and_grad(op, out, dout, q.shape, q.dtype)
+    _need(out.is_contiguous(), op, f"out strides {out.stride()}: dense rows, as the forward returned it")
+    _need(lse.dtype == torch.float32 and tuple(lse.shape) == (q.shape[0], q.shape[1], 1) and lse.is_contiguous(),
+          op, f"logsumexp {list(lse.shape)} {lse.dtype}: contiguous [{q.shape[0]}, {q.shape[1]}, 1] float32, as "
+          "the forward returned it")
+
+
+_RAGGED_META = []  # the Library objects (kept alive: dropping one removes its kernels)
+
+
+def register_ragged_cudnn_meta() -> None:
+    """Meta kernels for the ragged cuDNN ops (torch 2.13 has none), shaped as ``attention.cu`` allocates:
+    out like q with v's head dim, lse ``[total_q, h, 1]`` float32; the backward's grads like q, k, v."""
+    if _RAGGED_META:
+        return
+    lib = torch.library.Library("aten", "IMPL", "Meta")
+
+    def forward(query, key, value, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k, compute_log_sumexp,
+                dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
+        total, heads = query.shape[0], query.shape[1]
+        out = query.new_empty((total, heads, value.shape[-1]))
+        lse = query.new_empty((total, heads, 1), dtype=torch.float32)
+        rng = query.new_empty((), dtype=torch.int64)
+        return (out, lse, cum_seq_q, cum_seq_k, max_q, max_k, rng, rng.clone(),
+                query.new_empty((0,)))
+
+    def backward(grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset, attn_bias, cum_seq_q,
+                 cum_seq_k, max_q, max_k, dropout_p, is_causal, *, scale=None):
+        return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+
+    lib.impl("_cudnn_attention_forward", forward)
+    lib.impl("_cudnn_attention_backward", backward)
+    _RAGGED_META.append(lib)
+
+
 CONTRACTS = {
     aten._flash_attention_forward.default: flash_forward,
     aten._flash_attention_backward.default: flash_backward,
@@ -228,6 +311,8 @@ CONTRACTS = {
     aten._scaled_dot_product_efficient_attention_backward.default: efficient_backward,
     aten._scaled_dot_product_cudnn_attention.default: cudnn_forward,
     aten._scaled_dot_product_cudnn_attention_backward.default: cudnn_backward,
+    aten._cudnn_attention_forward.default: ragged_cudnn_forward,
+    aten._cudnn_attention_backward.default: ragged_cudnn_backward,
 }
 
 
@@ -239,6 +324,7 @@ class OpContracts(TorchDispatchMode):
 
     def __init__(self, known=lambda t: None, checked: dict | None = None) -> None:
         super().__init__()
+        register_ragged_cudnn_meta()
         self.known = known
         self.checked: dict[str, int] = {} if checked is None else checked
 

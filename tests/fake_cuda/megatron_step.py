@@ -217,30 +217,46 @@ def run(opts, cp: int, team: int) -> dict:
     }
 
 
-def step_facts(opts, config, memory) -> dict:
+def release(config) -> None:
+    """Drops what ``build`` hung on ``config``: ``no_sync_func`` and ``grad_scale_func`` are bound
+    methods of the DDP model and the optimizer, and the model's modules hold ``config``: a
+    reference cycle that keeps the whole model (4.9 GiB at CP8 C2) until the garbage collector
+    runs, into the next configuration's peak."""
+    config.no_sync_func = config.grad_scale_func = config.finalize_model_grads_func = None
+
+
+def step_facts(opts, config, memory, watch=None) -> dict:
     """Builds the model and runs one training step as rank ``opts.rank`` of ``opts.cp`` (the
     process group made by the caller: fake CUDA's here, a real device's in
     ``benchmarks/gpu/session_gpt.py``); ``memory`` has ``live``, ``peak``, ``reset_peak()`` and
-    ``live_by_op()`` (:class:`tests.fake_cuda.memory.LiveStorages` or the CUDA allocator's)."""
+    ``live_by_op()`` (:class:`tests.fake_cuda.memory.LiveStorages` or the CUDA allocator's), and
+    may have ``synchronize()`` (a device: the step's time is read after its last kernel).
+    ``watch(gpt)``, if given, sees the model once built (the GPU session keeps weak references)."""
+    synchronize = getattr(memory, "synchronize", lambda: None)
     cp, team = opts.cp, opts.team
     parallel_state.initialize_model_parallel(context_parallel_size=cp, create_gloo_process_groups=False)
     try:
         model_parallel_cuda_manual_seed(1234)
         gpt, model, optimizer, moved = build(opts, config)
+        if watch is not None:
+            watch(gpt)
         params = sum(p.numel() for p in gpt.parameters())
         live = {"built": memory.live}  # model, grad buffers, optimizer's main params (moments: at the step)
         batch = token_batch(opts)
         live["with_batch"] = memory.live
         memory.reset_peak()
+        synchronize()
         start = time.perf_counter()
         marks = {}
         loss, updated = train_step(opts, model, optimizer, batch, memory, marks)
+        synchronize()  # the optimizer's kernels are queued, not done, when step() returns
         seconds = time.perf_counter() - start
         live["after_step"] = memory.live
         peak = memory.peak
         loss_facts = {"shape": list(loss.shape), "dtype": str(loss.dtype), "device": str(loss.device)}
         del gpt, model, optimizer, batch, loss
     finally:
+        release(config)
         parallel_state.destroy_model_parallel()
     return {
         "cp": cp, "team": team, "rank": opts.rank, "seq_length": opts.seq_length,
