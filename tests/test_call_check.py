@@ -26,7 +26,7 @@ from collections import Counter
 import pytest
 import torch
 
-from benchmarks.launch_budget import fake_rank
+from benchmarks.counters.launch_budget import fake_rank
 from megatron_startrail import attention, kernels, new_startrail_groups, startrail_attn
 from megatron_startrail.kernels import call_check, torch_cuda
 from megatron_startrail.kernels.call_check import CheckedKernel

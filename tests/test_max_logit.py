@@ -6,7 +6,7 @@
   test_window, test_packed_documents) check the layer's value after the MAX over CP.
 - With both flags off (``return_max_logit=False``) none of the pass runs: its functions are
   replaced by ones that raise, and the layer dispatches no op of its kind; with it on the
-  extra ops are exactly the pass's (benchmarks/launch_budget.py's counter, meta tensors): no
+  extra ops are exactly the pass's (benchmarks/counters/launch_budget.py's counter, meta tensors): no
   P2P, no collective, no kernel call, no copy (``_to_copy``, ``copy_`` are not among its ops)
   and no host sync (on meta tensors ``.item()`` and ``.tolist()`` raise).
 """
@@ -14,7 +14,7 @@
 import pytest
 import torch
 
-from benchmarks.launch_budget import Case, count
+from benchmarks.counters.launch_budget import Case, count
 from megatron_startrail import max_logit
 from megatron_startrail.layout import KernelCall
 from tests.attention_cases import flash_rule

@@ -74,7 +74,7 @@ def traffic_row(rows: list[dict], world: int, team: int, heads: int, kv_heads: i
              == (world, team, heads, kv_heads, kernel) and "dense" in r["case"]]
     if len(found) != 1:
         raise ValueError(f"layer_traffic.json has {len(found)} dense rows of P{world} C{team} {heads}/{kv_heads} "
-                         f"{kernel}: regenerate it (python -m benchmarks.layer_traffic)")
+                         f"{kernel}: regenerate it (python -m benchmarks.counters.layer_traffic)")
     return found[0]
 
 
