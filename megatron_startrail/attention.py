@@ -38,6 +38,7 @@ import torch
 from . import blocks
 from .accounting import AttentionShape, choose_backward_rotation
 from .comm import CommStats, Communicator
+from .compile_boundary import compile_boundary
 from .documents import agree_on_documents
 from .backward import backward_kv, backward_q
 from .groups import StarTrailGroups
@@ -235,6 +236,7 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Star
             )
 
 
+@compile_boundary  # under torch.compile: a graph break (Note [graph break at the attention])
 def startrail_attn(
     q: torch.Tensor,
     k: torch.Tensor,

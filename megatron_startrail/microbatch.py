@@ -120,7 +120,14 @@ class BoundCall:
         self.call, self._views, self._device = call, views, device
 
     def __getattr__(self, name):
-        return getattr(self.call, name)
+        # Only names the slots do not answer come here. An object made without ``__init__``
+        # (``__new__`` by copy.copy, pickle, torch.compile's object builder) has no ``call`` yet:
+        # reading ``self.call`` would come back here without end; it has no such attribute.
+        try:
+            call = object.__getattribute__(self, "call")
+        except AttributeError:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}") from None
+        return getattr(call, name)
 
     def tensor(self, what: str, device, batch: int = 1) -> torch.Tensor:
         key = (self.call, what, batch if what.startswith("cu_") else 1)
