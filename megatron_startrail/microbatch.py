@@ -41,6 +41,15 @@ class MicroBatchCache:
         self._entries: OrderedDict = OrderedDict()  # key -> (weak refs of the tensors, value)
         self.computed = 0  # how many values were computed (tests count them)
 
+    def __getstate__(self) -> dict:
+        # Pickled (or deep-copied) empty: its entries live as long as this process's tensors do
+        # (weak references), which another process or a copy does not hold.
+        return {"capacity": self.capacity, "computed": self.computed}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["capacity"])
+        self.computed = state["computed"]
+
     def get(self, kind: str, tensors: Sequence[torch.Tensor | None], extra: Hashable, make: Callable):
         key = (kind, tuple(None if t is None else id(t) for t in tensors), extra)
         hit = self._entries.get(key)
