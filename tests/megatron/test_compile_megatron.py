@@ -30,17 +30,15 @@ from tests.multiproc import run_ranks  # noqa: E402
 from tests.packed_cases import PAD, document_of_positions, held_positions, make_documents  # noqa: E402
 
 VOCAB, HIDDEN, HEADS, CHUNK, TOLERANCE = 64, 32, 4, 4, 1e-12
-# (module, documents, recompute, backend): every value of each axis at each CP layout, not the
-# full product (a compile of a GPT costs seconds on CI's 2 cores). "kept": Megatron's full
-# recomputation with the attention kept through it (StarTrail's default); "recomputed": with
-# --startrail-recompute-attention.
-CASES = [
-    ("block", "dense", "none", "eager"),
-    ("block", "sample", "kept", "aot_eager"),
-    ("gpt", "dense", "kept", "aot_eager"),
-    ("gpt", "document", "recomputed", "eager"),
-    ("gpt", "sample", "none", "aot_eager"),
-]
+# (module, documents, recompute, backend) per (CP, C): every value of each axis, not the full
+# product (compiling a GPT takes seconds of CI's 2 cores). "kept": Megatron's full recomputation
+# with the attention kept through it (StarTrail's default); "recomputed": with
+# --startrail-recompute-attention; "block": a 2-layer TransformerBlock on hidden states.
+CASES = {
+    (2, 1): [("block", "dense", "none", "eager"), ("block", "sample", "kept", "aot_eager"),
+             ("gpt", "document", "recomputed", "eager"), ("gpt", "dense", "kept", "aot_eager")],
+    (4, 2): [("block", "document", "kept", "eager"), ("gpt", "sample", "none", "aot_eager")],
+}
 
 
 def _config(cp, recompute):
@@ -113,8 +111,10 @@ def _error(got, want):
 
 
 def worker(rank, world_size, cp, team, cases):
-    """Per case: the worst relative error of the compiled run against eager, over the output
-    and every gradient, and the names it compared."""
+    """Per case: the relative error of the compiled run against eager, of the output and of
+    every parameter's gradient by name; the graphs dynamo compiled and their ops."""
+    from torch._dynamo.testing import CompileCounterWithBackend  # noqa: PLC0415
+
     Utils.initialize_model_parallel(context_parallel_size=cp)
     groups = {recompute: initialize_startrail(config=StarTrailConfig(team_size=team, recompute_attention=recompute))
               for recompute in (False, True)}
@@ -125,21 +125,25 @@ def worker(rank, world_size, cp, team, cases):
         torch._dynamo.reset()
         inputs = _inputs(documents, cp, cp_rank)
         eager = _build(module, cp, recompute, groups)
-        compiled = torch.compile(_build(module, cp, recompute, groups), backend=backend)
+        counter = CompileCounterWithBackend(backend)
+        compiled = torch.compile(_build(module, cp, recompute, groups), backend=counter)
         want_out, want_grads = _run(eager, module, inputs)
         got_out, got_grads = _run(compiled, module, inputs)
         errors = {"output": _error(got_out, want_out)}
         errors.update({name: _error(got_grads[name], g) for name, g in want_grads.items()})
-        report[case] = errors
+        report[case] = errors, counter.frame_count, counter.op_count
     Utils.destroy_model_parallel()
     return report
 
 
-@pytest.mark.parametrize("cp, team", [(2, 1), (4, 2)])
+@pytest.mark.parametrize("cp, team", list(CASES))
 def test_compiled_megatron_modules_equal_eager(cp, team):
-    reports = run_ranks(worker, cp, args=(cp, team, CASES), timeout=600)
+    reports = run_ranks(worker, cp, args=(cp, team, CASES[cp, team]), timeout=600)
     for rank, report in enumerate(reports):
-        for case, errors in report.items():
-            assert len(errors) > 5, (case, errors)  # the output and every parameter
+        assert list(report) == CASES[cp, team]
+        for case, (errors, graphs, ops) in report.items():
+            assert len(errors) > 10, (case, errors)  # the output and every parameter
             worst = max(errors, key=errors.get)
             assert errors[worst] <= TOLERANCE, f"rank {rank} {case}: {worst} relative error {errors[worst]:.2e}"
+            # Compiled around the attention's graph breaks: a graph on each side, with the layers' ops.
+            assert graphs >= 2 and ops >= 10, (rank, case, graphs, ops)
