@@ -35,7 +35,7 @@ VOCAB, HIDDEN, HEADS, CHUNK, TOLERANCE = 64, 32, 4, 4, 1e-12
 # with the attention kept through it (StarTrail's default); "recomputed": with
 # --startrail-recompute-attention; "block": a 2-layer TransformerBlock on hidden states.
 CASES = {
-    (2, 1): [("block", "dense", "none", "eager"), ("block", "sample", "kept", "aot_eager"),
+    (2, 1): [("block", "sample", "kept", "aot_eager"),
              ("gpt", "document", "recomputed", "eager"), ("gpt", "dense", "kept", "aot_eager")],
     (4, 2): [("block", "document", "kept", "eager"), ("gpt", "sample", "none", "aot_eager")],
 }
