@@ -39,6 +39,7 @@ from . import blocks
 from . import max_logit as max_logits
 from .accounting import AttentionShape, choose_backward_rotation
 from .comm import CommStats, Communicator
+from .compile_boundary import compile_boundary
 from .documents import agree_on_documents
 from .backward import backward_kv, backward_q
 from .groups import StarTrailGroups
@@ -246,6 +247,7 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Star
             )
 
 
+@compile_boundary  # under torch.compile: a graph break (Note [graph break at the attention])
 def startrail_attn(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -123,6 +123,19 @@ class StarTrailGroups:
                              f"create the groups with a backend for {torch.device(device).type}")
         return pair
 
+    def __copy__(self) -> StarTrailGroups:
+        """A shallow copy: the same process groups (a group handle is shared, never duplicated)."""
+        copied = object.__new__(type(self))
+        copied.__dict__.update(self.__dict__)
+        return copied
+
+    def __reduce__(self):
+        raise TypeError(
+            "StarTrailGroups holds this process's torch.distributed process groups (communicators of live "
+            "connections), which cannot be pickled or sent to another process: build the groups in each process "
+            "with new_startrail_groups() or, under Megatron, initialize_startrail() (collective on every rank)"
+        )
+
     def describe(self) -> str:
         t = self.topology
         return (

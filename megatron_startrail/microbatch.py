@@ -41,6 +41,15 @@ class MicroBatchCache:
         self._entries: OrderedDict = OrderedDict()  # key -> (weak refs of the tensors, value)
         self.computed = 0  # how many values were computed (tests count them)
 
+    def __getstate__(self) -> dict:
+        # Pickled (or deep-copied) empty: its entries live as long as this process's tensors do
+        # (weak references), which another process or a copy does not hold.
+        return {"capacity": self.capacity, "computed": self.computed}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["capacity"])
+        self.computed = state["computed"]
+
     def get(self, kind: str, tensors: Sequence[torch.Tensor | None], extra: Hashable, make: Callable):
         key = (kind, tuple(None if t is None else id(t) for t in tensors), extra)
         hit = self._entries.get(key)
@@ -120,7 +129,14 @@ class BoundCall:
         self.call, self._views, self._device = call, views, device
 
     def __getattr__(self, name):
-        return getattr(self.call, name)
+        # Only names the slots do not answer come here. An object made without ``__init__``
+        # (``__new__`` by copy.copy, pickle, torch.compile's object builder) has no ``call`` yet:
+        # reading ``self.call`` would come back here without end; it has no such attribute.
+        try:
+            call = object.__getattribute__(self, "call")
+        except AttributeError:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}") from None
+        return getattr(call, name)
 
     def tensor(self, what: str, device, batch: int = 1) -> torch.Tensor:
         key = (self.call, what, batch if what.startswith("cu_") else 1)

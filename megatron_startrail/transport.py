@@ -140,8 +140,13 @@ class GlooTransport(Transport):
         if not works:
             return
         start = time.perf_counter()
-        for w in works:
-            w.wait()  # gloo: blocks the host until done
+        try:
+            for w in works:
+                w.wait()  # gloo: blocks the host until done
+        except RuntimeError as error:  # a peer died, raised, or is stuck past the group's timeout
+            # gloo's message names neither the operation nor the schedule: say which wait it was.
+            raise RuntimeError(f"StarTrail {label or 'communication'} failed on this rank, waiting for a peer "
+                               f"(a peer that raised or died, or the process group's timeout): {error}") from error
         if timeline is not None:
             timeline.add(label, start, time.perf_counter())
 

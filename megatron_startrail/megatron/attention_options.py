@@ -31,6 +31,17 @@ class AttentionOption:
     fix: str  # what to change
 
 
+# Why capture stays refused: a CUDA graph replays one fixed sequence of launches on fixed
+# addresses, but StarTrail decides its schedule on the host every micro-batch (packed documents:
+# one read of cu_seqlens and a small collective, the kernel calls planned from them) and posts
+# P2P on NCCL communicators that capture would have to record; none of it has run under capture.
+CUDA_GRAPH_WHY = ("capturing StarTrail's layers is not supported: a CUDA graph replays fixed launches on fixed "
+                  "addresses, while StarTrail plans each micro-batch's kernel calls and P2P on the host (packed "
+                  "documents: a host read of cu_seqlens and a small collective), and capture has never run on a "
+                  "GPU here")
+FP8_WHY = ("StarTrail's block kernels take bf16/fp16/fp32 Q, K, V and merge the ranks' partial results in float32; "
+           "no FP8 attention kernel (with its per-tensor scales agreed across the CP ranks) is wired in")
+
 UNSUPPORTED = (
     AttentionOption(
         "apply_query_key_layer_scaling", "--apply-query-key-layer-scaling",
@@ -44,37 +55,40 @@ UNSUPPORTED = (
         "StarTrail has no dropout on the attention probabilities",
         "set --attention-dropout 0",
     ),
-    # GPU-only options: accepted and then ignored or broken would be worse than refused.
+    # GPU-only options: accepted and then ignored or broken would be worse than refused. Each
+    # names what to do instead (docs/composition.md, "What stays refused").
     AttentionOption(
         "cuda_graph_impl", "--cuda-graph-impl",
         lambda v: v not in (None, "none"),
-        "capturing StarTrail's layers is not supported: the packed-document metadata syncs the host "
-        "once per micro-batch and the timeline records events, and capture has never run on a GPU here",
-        "use --cuda-graph-impl none",
+        CUDA_GRAPH_WHY,
+        "use --cuda-graph-impl none; instead, to cut launch overhead, torch.compile the model (StarTrail's "
+        "attention is a graph break, the rest is compiled: docs/composition.md)",
     ),
     AttentionOption(
         "enable_cuda_graph", "--enable-cuda-graph",
         bool,
-        "capturing StarTrail's layers is not supported (see --cuda-graph-impl)",
-        "drop --enable-cuda-graph",
+        CUDA_GRAPH_WHY,
+        "drop --enable-cuda-graph; instead torch.compile the model (docs/composition.md)",
     ),
     AttentionOption(
         "external_cuda_graph", "--external-cuda-graph",
         bool,
-        "capturing StarTrail's layers is not supported (see --cuda-graph-impl)",
-        "drop --external-cuda-graph",
+        CUDA_GRAPH_WHY,
+        "drop --external-cuda-graph; instead torch.compile the model (docs/composition.md)",
     ),
     AttentionOption(
         "fp8_dot_product_attention", "TransformerConfig.fp8_dot_product_attention",
         bool,
-        "StarTrail's block kernels compute attention in bf16/fp16/fp32, not FP8",
-        "set fp8_dot_product_attention=False",
+        FP8_WHY,
+        "set fp8_dot_product_attention=False and keep FP8 where it pays, in the linear layers (--fp8-format "
+        "with Transformer Engine; the attention's Q, K, V then reach StarTrail in bf16)",
     ),
     AttentionOption(
         "fp8_multi_head_attention", "TransformerConfig.fp8_multi_head_attention",
         bool,
-        "StarTrail's block kernels take bf16/fp16/fp32 Q, K, V, not FP8",
-        "set fp8_multi_head_attention=False",
+        FP8_WHY,
+        "set fp8_multi_head_attention=False and keep FP8 in the linear layers (--fp8-format with Transformer "
+        "Engine; the attention's Q, K, V then reach StarTrail in bf16)",
     ),
     AttentionOption(
         "cp_comm_type", "--cp-comm-type",

@@ -51,6 +51,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
 
 from ..attention import startrail_attn
+from ..compile_boundary import compile_boundary
 from ..groups import StarTrailGroups
 from ..layout import normalize_window
 from .attention_options import check_attention_options
@@ -156,6 +157,7 @@ class StarTrailCoreAttention(MegatronModule):
         self.current_max_attn_logits = None
         make_softmax_offset(self, config, config.num_attention_heads // self.tp_group.size())
 
+    @compile_boundary  # host checks, kept attention, StarTrail: eager (Note [graph break at the attention])
     def forward(
         self,
         query,

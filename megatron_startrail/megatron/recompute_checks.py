@@ -11,6 +11,13 @@ backward, ``CheckpointFunction.backward`` recomputes the MLP, gets the same para
 output and back-propagates through it, which runs ``CheckpointFunction.backward`` again: the
 recursion never ends (memory runs out, or on the CPU the run hangs). At CP = 1 as at any CP, on
 megatron-core 0.19.2 (checked); the upstream report is in docs/composition.md.
+
+Only a dense MLP is checkpointed that way: ``TransformerLayer`` sets ``recompute_mlp`` only
+``if not self.is_moe_layer`` (an MoE layer's experts are recomputed by ``--recompute-modules moe``
+instead). So the refusal holds where the model has a dense MLP layer: no ``--num-experts``, an
+``--moe-layer-freq`` (every N-th layer MoE, or a list) that leaves a dense layer, or a
+``--hybrid-layer-pattern`` with an MLP layer (``-``). Multi-token prediction layers take the last
+decoder layer's spec, so they are dense only where that layer is.
 """
 
 from __future__ import annotations
@@ -21,9 +28,23 @@ def check_recompute_modules(args) -> None:
     would recurse without end (the MLP's bias parameter returned from its checkpoint)."""
     modules = getattr(args, "recompute_modules", None) or []
     if (getattr(args, "recompute_granularity", None) == "selective" and "mlp" in modules
-            and getattr(args, "add_bias_linear", False)):
+            and getattr(args, "add_bias_linear", False) and has_dense_mlp_layer(args)):
         raise ValueError(
-            "--recompute-modules mlp with the linear layers' biases on: megatron-core's checkpoint of the "
-            "MLP returns the linear_fc2 bias parameter itself and its backward recurses without end "
+            "--recompute-modules mlp with the linear layers' biases on: megatron-core's checkpoint of a dense "
+            "layer's MLP returns the linear_fc2 bias parameter itself and its backward recurses without end "
             "(at CP = 1 too; docs/composition.md, 'Recomputation'): add --disable-bias-linear or drop mlp "
-            "from --recompute-modules")
+            "from --recompute-modules (MoE layers are not checkpointed this way: --recompute-modules moe)")
+
+
+def has_dense_mlp_layer(args) -> bool:
+    """Whether the model has a layer with a dense MLP, the only MLP ``--recompute-modules mlp``
+    checkpoints (megatron-core's ``TransformerLayer``: ``if not self.is_moe_layer``)."""
+    pattern = getattr(args, "hybrid_layer_pattern", None)
+    if pattern is not None:  # hybrid models: "-" is an MLP layer, "E" an MoE one (MTP part included)
+        return "-" in pattern
+    if not getattr(args, "num_experts", None):
+        return True
+    freq = getattr(args, "moe_layer_freq", 1)
+    # megatron-core's get_gpt_decoder_block_spec: layer i is MoE iff i % N == 0, or the list's 1s
+    moe_pattern = [1 if i % freq == 0 else 0 for i in range(args.num_layers)] if isinstance(freq, int) else freq
+    return 0 in moe_pattern

@@ -230,3 +230,25 @@ def test_bad_flag_values_are_rejected_by_the_parser(monkeypatch):
                   ["--context-parallel-algo", "ring"]):
         with pytest.raises(SystemExit):
             parse(monkeypatch, *flags)
+
+
+@pytest.mark.parametrize("attribute, value, alternative", [
+    ("cuda_graph_impl", "local", "torch.compile the model"),
+    ("cuda_graph_impl", "transformer_engine", "torch.compile the model"),
+    ("enable_cuda_graph", True, "torch.compile the model"),
+    ("external_cuda_graph", True, "torch.compile the model"),
+    ("fp8_dot_product_attention", True, "keep FP8 where it pays, in the linear layers (--fp8-format"),
+    ("fp8_multi_head_attention", True, "keep FP8 in the linear layers (--fp8-format"),
+])
+def test_refusals_name_what_to_do_instead(attribute, value, alternative):
+    """What stays refused (CUDA graphs, FP8 attention) says why and what to use instead
+    (docs/composition.md, 'What stays refused')."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from megatron_startrail.megatron.attention_options import check_attention_options  # noqa: PLC0415
+
+    with pytest.raises(ValueError) as refused:
+        check_attention_options(SimpleNamespace(**{attribute: value}))
+    message = str(refused.value)
+    assert alternative in message, message
+    assert ("replays fixed launches" in message) if "cuda_graph" in attribute else ("no FP8 attention kernel" in message)

@@ -263,3 +263,51 @@ def test_mlp_recomputation_with_biases_is_refused_by_name_at_cp1_too():
 
 def example_worker_refusing(rank, world_size, argv):
     run_example_rank(rank, world_size, argv)
+
+
+# --- --recompute-modules mlp with biases: refused only where a dense MLP would be checkpointed --
+# megatron-core 0.19.2 checkpoints a layer's MLP under --recompute-modules mlp only if not
+# self.is_moe_layer. On 3a17b64 every model with biases was refused, all-MoE ones included.
+# (No training run here: megatron-core 0.19.2's local experts with biases fail at CP = 1 on their
+# own, "Output 0 of _ReduceFromModelParallelRegion is a view and is being modified inplace" in
+# MLP.forward's expert bias add, with or without recomputation.)
+
+
+@pytest.mark.parametrize("flags, refused", [
+    (dict(num_experts=None), True),  # dense
+    (dict(num_experts=4, moe_layer_freq=1), False),  # every layer MoE
+    (dict(num_experts=4, moe_layer_freq=2), True),  # layers 0, 2 MoE; 1, 3 dense
+    (dict(num_experts=4, moe_layer_freq=[1, 1, 1, 0]), True),
+    (dict(num_experts=4, moe_layer_freq=[1, 1, 1, 1]), False),
+    (dict(hybrid_layer_pattern="M*-M*-"), True),  # hybrid: "-" is a dense MLP layer
+    (dict(hybrid_layer_pattern="M*EM*E/*E"), False),  # MoE layers only (MTP part included)
+])
+def test_the_mlp_recompute_refusal_holds_only_where_a_dense_mlp_layer_is(flags, refused):
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from megatron_startrail.megatron.recompute_checks import check_recompute_modules  # noqa: PLC0415
+
+    args = SimpleNamespace(recompute_granularity="selective", recompute_modules=["mlp"], add_bias_linear=True,
+                           num_layers=4, **flags)
+    if refused:
+        with pytest.raises(ValueError, match="--recompute-modules mlp .*--disable-bias-linear"):
+            check_recompute_modules(args)
+    else:
+        check_recompute_modules(args)
+
+
+@pytest.mark.parametrize("moe_layer_freq, refused", [("1", False), ("([1]*3+[0])", True), ("2", True)])
+def test_megatrons_parsed_moe_flags_with_biases_and_mlp_recomputation(monkeypatch, moe_layer_freq, refused):
+    """Through Megatron's own parser (--moe-layer-freq as it parses it) and StarTrail's validation."""
+    from megatron_startrail.megatron.arguments import validate_startrail_args  # noqa: PLC0415
+    from tests.megatron.test_arguments import parse  # noqa: PLC0415
+
+    args = parse(monkeypatch, "--num-layers", "4", "--num-experts", "4", "--moe-layer-freq", moe_layer_freq,
+                 "--recompute-granularity", "selective", "--recompute-modules", "mlp",
+                 "--context-parallel-size", "2", "--context-parallel-algo", "startrail")
+    assert args.add_bias_linear
+    if refused:
+        with pytest.raises(ValueError, match="--recompute-modules mlp"):
+            validate_startrail_args(args)
+    else:
+        validate_startrail_args(args)
