@@ -206,7 +206,7 @@ def test_paper_clusters_md_has_every_cp_type_per_row():
 
     from benchmarks import paper_clusters
 
-    md = open(os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "paper_clusters.md")).read()
+    md = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks/results/paper_clusters.md")).read()
     section = md.split("## Every CP type")[1]
     rows = [line for line in section.splitlines() if re.match(r"\| \d+ \(\d+\) \| \d+K \|", line)]
     assert len(rows) == 2 * 2 * 4 * 4
