@@ -285,3 +285,33 @@ def halo_bytes(shape: AttentionShape, *, cp_size: int, window: tuple[int, int], 
                 "collective_bytes_sent": 0, "collective_bytes_recv": 0, "p2p_steps": int(bool(sent or recv))}
 
     return {"forward": stats(mine, reached, shape.dtype_bytes), "backward": stats(reached, mine, shape.acc_bytes)}
+
+
+# -- Megatron's all_gather CP type, priced beside StarTrail (planning/cp_types.py) ---------
+#
+# Transformer Engine's KV all-gather CP (``cp_comm_type="all_gather"``,
+# AttnFuncWithCPAndKVAllGather): the forward all-gathers K and V over the CP group and
+# attends the rank's two chunks of queries locally; it keeps only the rank's own K, V, so
+# the backward all-gathers them again, computes dK, dV for the whole sequence and
+# reduce-scatters them (in the input dtype: TE allocates dK, dV as K's dtype). No P2P.
+# Ulysses (``a2a``) and its hierarchical form (``a2a+p2p``) are :func:`expected_comm` with
+# U = CP, or U ranks of all-to-all around a ring of CP / U (team size 1).
+
+
+def allgather_cp_comm(shape: AttentionShape, *, cp_size: int) -> dict[str, dict[str, int]]:
+    """:class:`~megatron_startrail.comm.CommStats` fields of one rank under Megatron's
+    ``all_gather`` CP, counted as the communicator counts an all-gather / reduce-scatter
+    (bandwidth-optimal: ``(P-1)`` pieces sent and received)::
+
+        forward    (P-1) Ekv e        all-gather K, V
+        backward   (P-1) Ekv e        all-gather K, V again
+                 + (P-1) Ekv e        reduce-scatter dK, dV
+    """
+    kv = shape.seq_local * shape.batch * shape.kv_heads * (shape.head_dim + shape.v_dim) * shape.dtype_bytes
+    moved = (cp_size - 1) * kv
+
+    def stats(coll: int) -> dict[str, int]:
+        return {"p2p_bytes_sent": 0, "p2p_bytes_recv": 0, "collective_bytes_sent": coll,
+                "collective_bytes_recv": coll, "p2p_steps": 0}
+
+    return {"forward": stats(moved), "backward": stats(2 * moved)}

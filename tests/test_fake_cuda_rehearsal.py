@@ -1,10 +1,10 @@
 """The GPU rehearsal: the package's CUDA branch on fake CUDA tensors (tests/fake_cuda).
 
-One child process, started with the shim preloaded, runs the attention's matrix
+Child processes, started together with the shim preloaded, run the attention's matrix (in two shards)
 (:mod:`tests.fake_cuda.matrix`: P 8/16 x C 1/2/4 x dense / sample / document x rotation q/kv x
 regathering, and the kernels torch_cuda_flash, torch_cuda_efficient and flash-attn 2.8.3 through
 an interface double that checks its C++ preconditions), with the torch ops checked against their
-contracts (:mod:`tests.fake_cuda.aten_doubles`); a second runs the CUDA adapters call by call
+contracts (:mod:`tests.fake_cuda.aten_doubles`); another runs the CUDA adapters call by call
 over batch 1/2, fused-QKV views, GQA, MLA and the masks (:mod:`tests.fake_cuda.kernel_matrix`).
 The tests read what they recorded. Where no C++ compiler (or no torch headers) is at hand,
 they skip and say which.
@@ -19,7 +19,7 @@ import pytest
 from tests.fake_cuda.build import build_shim, why_not_buildable
 from tests.fake_cuda.kernel_matrix import ADAPTERS
 from tests.fake_cuda.matrix import KERNEL_OPS, cases
-from tests.fake_cuda.run import run_fake_cuda
+from tests.fake_cuda.run import start_fake_cuda
 
 
 @pytest.fixture(scope="session")
@@ -30,16 +30,44 @@ def shim(tmp_path_factory):
     return build_shim(tmp_path_factory.mktemp("fake_cuda"))
 
 
-def run_child(shim, tmp_path_factory, module: str):
-    out = tmp_path_factory.mktemp("rehearsal") / "out.json"
-    done = run_fake_cuda(shim, module, "--json", str(out))
-    assert done.returncode == 0 and out.exists(), done.stderr[-6000:]
-    return json.loads(out.read_text())
+# The children, started together and read as the tests need them: the matrix in MATRIX_SHARDS
+# interleaved shards, the kernel matrix and the self-check side by side on the machine's cores
+# (one after another they took 230 s of a quiet 2-core run's wall time, one core idle).
+MATRIX_SHARDS = 2
+
+
+class Child:
+    def __init__(self, shim, directory, module: str, *args: str):
+        self.out, self.log = directory / "out.json", open(directory / "log.txt", "w+")
+        self.proc = start_fake_cuda(shim, module, *args, "--json", str(self.out), log=self.log)
+
+    def result(self):
+        code = self.proc.wait(timeout=900)
+        self.log.seek(0)
+        assert code == 0 and self.out.exists(), self.log.read()[-6000:]
+        return json.loads(self.out.read_text())
+
+    def stop(self):
+        if self.proc.poll() is None:  # a test failed before reading it
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
 
 
 @pytest.fixture(scope="module")
-def matrix(shim, tmp_path_factory):
-    return run_child(shim, tmp_path_factory, "tests.fake_cuda.matrix")
+def children(shim, tmp_path_factory):
+    started = {f"matrix {i}": ("tests.fake_cuda.matrix", "--shard", f"{i}/{MATRIX_SHARDS}")
+               for i in range(MATRIX_SHARDS)}
+    started.update(kernel_matrix=("tests.fake_cuda.kernel_matrix",), selfcheck=("tests.fake_cuda.selfcheck",))
+    running = {name: Child(shim, tmp_path_factory.mktemp("rehearsal"), *how) for name, how in started.items()}
+    yield running
+    for child in running.values():
+        child.stop()
+
+
+@pytest.fixture(scope="module")
+def matrix(children):
+    return [record for i in range(MATRIX_SHARDS) for record in children[f"matrix {i}"].result()]
 
 
 def failing(matrix, wrong):
@@ -66,8 +94,8 @@ def test_the_torch_ops_met_their_contracts(matrix):
 
 
 @pytest.fixture(scope="module")
-def kernel_matrix(shim, tmp_path_factory):
-    return run_child(shim, tmp_path_factory, "tests.fake_cuda.kernel_matrix")
+def kernel_matrix(children):
+    return children["kernel_matrix"].result()
 
 
 def test_cuda_adapters_meet_the_op_contracts_call_by_call(kernel_matrix):
@@ -118,8 +146,8 @@ def test_the_package_asks_torch_cuda_nothing_a_cpu_build_cannot_answer(matrix):
     assert not failing(matrix, lambda r: r["cuda_queries"])
 
 
-def test_the_rules_catch_what_they_are_for(shim, tmp_path_factory):
-    got = run_child(shim, tmp_path_factory, "tests.fake_cuda.selfcheck")
+def test_the_rules_catch_what_they_are_for(children):
+    got = children["selfcheck"].result()
     assert got["known"] == 7  # a host read of a device value runs (its value followed on the CPU)...
     assert [s[1].split(":")[0].rsplit("/", 2)[-2:] for s in got["syncs"]] == [["fake_cuda", "selfcheck.py"]]  # a sync
     to_device, to_host = got["copies"]

@@ -3,6 +3,7 @@ StarTrail-2 and StarTrail-4 it predicts fastest, per cluster and workload.
 
     python -m benchmarks.planner.paper_clusters            # prints the Markdown tables
     python -m benchmarks.planner.paper_clusters --h100     # 2-16 H100 nodes, 128K-1M tokens
+    python -m benchmarks.planner.paper_clusters --cp-types # the same, every Megatron CP type beside StarTrail
 
 Nothing here is measured on these clusters (we have none of them); the links are public
 figures with stated efficiencies, and the clusters are the package's presets
@@ -27,6 +28,8 @@ import argparse
 import dataclasses
 
 from megatron_startrail.planning.cluster import GPU_OVERLAP, TCP_ETHERNET_EFFICIENCY, ClusterSpec, preset
+from megatron_startrail.planning.cp_types import CP_TYPES, LABELS, STARTRAIL_TYPES, price_cp_types
+from megatron_startrail.planning.cp_types import winner as cp_winner
 from megatron_startrail.planning.planner import BACKWARD_FLOPS_RATIO, Workload, predict
 
 ETHERNET_LINE_GBS = 12.5  # 100 Gbit/s
@@ -93,11 +96,59 @@ def h100_table() -> None:
               f"{t[2]:.1f} | {t[4]:.1f} | {winner(best)} | {t[1] / t[best]:.2f}x |")
 
 
+H100_HEADS = {"MHA 32 x 128": 32, "GQA 32/8 x 128": 8}  # name: K/V heads (32 query heads)
+
+
+def cp_type_rows():
+    """Every CP type of :mod:`megatron_startrail.planning.cp_types` on the H100 presets."""
+    for lname, name in H100_LINKS.items():
+        for hname, kv_heads in H100_HEADS.items():
+            for nodes in H100_NODES:
+                cluster = preset(name, nodes)
+                cp = nodes * cluster.gpus_per_node
+                for tokens in H100_TOKENS:
+                    work = Workload(tokens, heads=32, kv_heads=kv_heads, head_dim=128, causal=True)
+                    yield lname, hname, nodes, cp, tokens, price_cp_types(cluster, work, cp)
+
+
+def cp_type_cell(price) -> str:
+    if price.time_s is None:
+        return "n/a"
+    cell = f"{price.time_s * 1e3:.1f}"
+    if price.fused_rate_time_s is not None:
+        cell += f" ({price.fused_rate_time_s * 1e3:.1f})"
+    return cell + (f" {price.config}" if price.config else "")
+
+
+def cp_types_tables() -> None:
+    """One table per preset and head layout: ms per CP type, the winner, StarTrail's best
+    against it."""
+    current = None
+    for lname, hname, nodes, cp, tokens, prices in cp_type_rows():
+        if (lname, hname) != current:
+            current = (lname, hname)
+            print(f"\n### {lname}, {hname}\n")
+            print("| nodes (GPUs) | tokens | " + " | ".join(LABELS[t] + " ms" for t in CP_TYPES)
+                  + " | winner | best StarTrail / winner |")
+            print("|---|---|" + "---|" * len(CP_TYPES) + "---|---|")
+        win = cp_winner(prices)
+        star = min((prices[t] for t in STARTRAIL_TYPES if prices[t].time_s is not None), key=lambda p: p.time_s)
+        verdict = LABELS[win] if win in STARTRAIL_TYPES else f"**{LABELS[win]}** (not StarTrail)"
+        print(f"| {nodes} ({cp}) | {tokens // 1024}K | " + " | ".join(cp_type_cell(prices[t]) for t in CP_TYPES)
+              + f" | {verdict} | {star.time_s / prices[win].time_s:.2f}x |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--h100", action="store_true", help="2-16 H100 nodes at 128K-1M tokens instead of the paper's clusters")
-    if parser.parse_args().h100:
+    parser.add_argument("--cp-types", action="store_true",
+                        help="the H100 presets with every Megatron CP type (p2p, all_gather, a2a, a2a+p2p) beside StarTrail")
+    args = parser.parse_args()
+    if args.h100:
         h100_table()
+        return
+    if args.cp_types:
+        cp_types_tables()
         return
     print("| cluster (32 GPUs) | workload | ring ms | StarTrail-2 ms | StarTrail-4 ms | predicted winner | "
           "attention speed-up over ring | layer speed-up over ring |")

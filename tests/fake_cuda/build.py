@@ -36,9 +36,17 @@ def why_not_buildable() -> str | None:
     return None
 
 
+# Built once per process: the suite's three users (the rehearsal, the Megatron step, the memory
+# model's GPU-scale check) each ask with their own directory; the first build serves them all.
+_BUILT: dict[str, Path] = {}
+
+
 def build_shim(out_dir: Path) -> Path:
-    """``libfakecuda.so`` in ``out_dir`` (rebuilt when the source or torch changes)."""
+    """``libfakecuda.so`` in ``out_dir`` (rebuilt when the source or torch changes), or the
+    one this process built already."""
     tag = hashlib.sha1(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    if tag in _BUILT and _BUILT[tag].exists():
+        return _BUILT[tag]
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     lib = Path(out_dir) / f"libfakecuda-{tag}.so"
     if lib.exists():
@@ -50,4 +58,5 @@ def build_shim(out_dir: Path) -> Path:
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"building the fake-CUDA shim failed ({' '.join(cmd)}):\n{done.stderr[-4000:]}")
+    _BUILT[tag] = lib
     return lib

@@ -121,7 +121,10 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", required=True)
     parser.add_argument("--quick", action="store_true", help="every 7th case")
+    parser.add_argument("--shard", default="0/1", metavar="I/N",
+                        help="cases I, I+N, I+2N, ... (N children run the matrix side by side)")
     args = parser.parse_args(argv)
+    shard, shards = (int(x) for x in args.shard.split("/"))
     flash_attn_double.install()
     transports = []
     init = comm.Communicator.__init__
@@ -132,7 +135,7 @@ def main(argv=None) -> None:
 
     comm.Communicator.__init__ = recording_init
     results = []
-    todo = cases(args.quick)
+    todo = cases(args.quick)[shard::shards]
     for p in sorted({case[0] for case in todo}):
         with fake_cuda_rank(RANK, p) as (_, rules):
             for case in (c for c in todo if c[0] == p):

@@ -15,8 +15,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_fake_cuda(shim: Path, module: str, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+def _env(shim: Path) -> dict:
     env = dict(os.environ, LD_PRELOAD=str(shim), PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return env
+
+
+def run_fake_cuda(shim: Path, module: str, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=_env(shim), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def start_fake_cuda(shim: Path, module: str, *args: str, log) -> subprocess.Popen:
+    """The same, started and not waited for (children side by side on the machine's cores);
+    stdout and stderr go to the open file ``log`` (a pipe left unread would stall the child)."""
+    return subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, env=_env(shim), stdout=log,
+                            stderr=subprocess.STDOUT, text=True)
