@@ -25,7 +25,8 @@ learnable), packed documents (sample layout; the document layout, --sft, which t
 refuses), MLA, MoE with EP2 at TP 1 and at TP 2 with sequence parallelism; QK-layernorm,
 SwiGLU, RMSNorm, untied embeddings, linear biases off, gradient accumulation; team sizes
 1/2/4/auto, Ulysses, both backward rotations, regathering, hybrid (dynamic) CP; Megatron-FSDP
-(optim_grads_params, optim_grads) and torch FSDP2 at TP1 x PP1 (``_draw_fsdp``). Call
+(optim_grads_params, optim_grads) and torch FSDP2 at TP1 x PP1 (``_draw_fsdp``; never with the
+resume protocol). Call
 protocols (``PROTOCOLS``): plain, evaluation passes, a forward-only pass of Megatron's schedule
 in train mode before every step, an abandoned forward before every step, save at iteration 2
 and resume, and a second model in the same processes running a forward before every step.
@@ -297,9 +298,10 @@ def _finish(seed, index, rng, features, shared, startrail, reference, startrail_
         # hybrid CP: evaluation is refused (it wraps only the training data), and its data
         # iterator yields whole scheduled global batches, which a lone forward cannot take
         protocol = "plain"
-    if protocol == "resume" and "--use-torch-fsdp2" in shared:
-        # megatron-core 0.19.2 cannot resume FSDP2 (docs/composition.md): its torch_dist save
-        # and its torch_dcp load both stop, at CP = 1 as well
+    if protocol == "resume" and ("--use-torch-fsdp2" in shared or "--use-megatron-fsdp" in shared):
+        # megatron-core 0.19.2 cannot resume FSDP2 (its torch_dist save and its torch_dcp load
+        # both stop), nor save Megatron-FSDP's fsdp_dtensor on gloo, at CP = 1 as well
+        # (docs/composition.md)
         protocol = "plain"
     if protocol == "evaluation":
         shared += ["--eval-interval", "2", "--eval-iters", "1"]
