@@ -21,6 +21,12 @@ Runs on GPUs (nccl, Transformer Engine spec when ``--transformer-impl
 transformer_engine``) and on CPU-only machines (gloo, local spec, with
 ``megatron_startrail.megatron.cpu_patches``).
 
+Megatron's sharded data parallelism composes with StarTrail as Megatron passes it:
+``--use-megatron-fsdp --ckpt-format fsdp_dtensor`` (``--data-parallel-sharding-strategy
+optim_grads_params`` or ``optim_grads``) and ``--use-torch-fsdp2
+--untie-embeddings-and-output-weights`` (docs/composition.md: what is tested, and what
+megatron-core 0.19.2 cannot resume).
+
 ``--hybrid-layer-pattern`` (megatron.training's flag, "the sole indicator that a hybrid model
 is being run") builds megatron-core's ``HybridModel`` instead of ``GPTModel``: one layer per
 symbol, e.g. ``"*-*-"`` (attention, MLP, attention, MLP); with StarTrail its attention layers

@@ -24,7 +24,9 @@ MTP 1/2 layers, repeated or not; sliding windows (halo and schedule paths), sink
 learnable), packed documents (sample layout; the document layout, --sft, which the example
 refuses), MLA, MoE with EP2 at TP 1 and at TP 2 with sequence parallelism; QK-layernorm,
 SwiGLU, RMSNorm, untied embeddings, linear biases off, gradient accumulation; team sizes
-1/2/4/auto, Ulysses, both backward rotations, regathering, hybrid (dynamic) CP. Call
+1/2/4/auto, Ulysses, both backward rotations, regathering, hybrid (dynamic) CP; Megatron-FSDP
+(optim_grads_params, optim_grads) and torch FSDP2 at TP1 x PP1 (``_draw_fsdp``; never with the
+resume protocol). Call
 protocols (``PROTOCOLS``): plain, evaluation passes, a forward-only pass of Megatron's schedule
 in train mode before every step, an abandoned forward before every step, save at iteration 2
 and resume, and a second model in the same processes running a forward before every step.
@@ -257,8 +259,35 @@ def draw(seed: int, index: int, data_prefix: str) -> Draw:
         startrail.append("--startrail-regather-in-backward")
         features.append("regather")
     shared += ["--global-batch-size", str(dp * accumulation)]
+    _draw_fsdp(seed, index, features, shared, tp, pp, moe)
     return _finish(seed, index, rng, features, shared, startrail, reference, tp * pp * cp * dp, tp * pp * dp,
                    layers, skip)
+
+
+# Megatron's two sharded data-parallel paths, drawn from their own stream so that adding them
+# left every other draw of a seed as it was.
+FSDP = {
+    "megatron-fsdp optim_grads_params": ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor",
+                                         "--data-parallel-sharding-strategy", "optim_grads_params"],
+    "megatron-fsdp optim_grads": ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor",
+                                  "--data-parallel-sharding-strategy", "optim_grads"],
+    "torch-fsdp2": ["--use-torch-fsdp2"],
+}
+
+
+def _draw_fsdp(seed, index, features, shared, tp, pp, moe) -> None:
+    """Megatron-FSDP (both sharding strategies) or torch FSDP2 in both runs, on draws at TP1 and
+    PP1 without MoE (FSDP2: Megatron refuses PP and EP; TP with either FSDP has not run on gloo
+    here). The first-step gradients are gathered whole from their shards on every rank
+    (tests/megatron/utils.unsharded_grads), so ``_compare`` sees whole gradients as with DDP."""
+    rng = random.Random(f"{seed}:{index}:fsdp")
+    if tp != 1 or pp != 1 or moe or rng.random() >= 0.4:
+        return
+    kind = _pick(rng, *FSDP)
+    shared += FSDP[kind]
+    if kind == "torch-fsdp2" and "--untie-embeddings-and-output-weights" not in shared:
+        shared.append("--untie-embeddings-and-output-weights")  # (Megatron's rule for FSDP2)
+    features.append(kind)
 
 
 def _finish(seed, index, rng, features, shared, startrail, reference, startrail_ranks, reference_ranks, layers, skip,
@@ -267,6 +296,11 @@ def _finish(seed, index, rng, features, shared, startrail, reference, startrail_
     if hybrid and protocol not in ("plain", "forward_only"):
         # hybrid CP: evaluation is refused (it wraps only the training data), and its data
         # iterator yields whole scheduled global batches, which a lone forward cannot take
+        protocol = "plain"
+    if protocol == "resume" and ("--use-torch-fsdp2" in shared or "--use-megatron-fsdp" in shared):
+        # megatron-core 0.19.2 cannot resume FSDP2 (its torch_dist save and its torch_dcp load
+        # both stop), nor save Megatron-FSDP's fsdp_dtensor on gloo, at CP = 1 as well
+        # (docs/composition.md)
         protocol = "plain"
     if protocol == "evaluation":
         shared += ["--eval-interval", "2", "--eval-iters", "1"]

@@ -29,6 +29,7 @@ Stages, because one blocker is at import time:
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import os
 import sys
@@ -38,7 +39,7 @@ import typing
 import torch
 from torch.overrides import TorchFunctionMode
 
-_state = {"applied": False, "mode": None}
+_state = {"applied": False, "mode": None, "set_max_connections": False}
 
 # Megatron modules of triton kernels that an ``import megatron.core`` / ``megatron.training``
 # reaches unguarded (``import triton`` at their top), with the constants importers read from
@@ -151,6 +152,9 @@ class _NoStream:
 
 class _NoEvent(_NoStream):
     def record(self, *args):
+        pass
+
+    def wait(self, *args):  # Megatron-FSDP waits on its all-gather / reduce-scatter events
         pass
 
     def query(self):
@@ -356,6 +360,49 @@ def _patch_hybrid_final_norm() -> None:
     hybrid_block.TENorm = WrappedTorchNorm
 
 
+def _patch_torch_fsdp2_mesh() -> None:
+    """``--use-torch-fsdp2``: Megatron's ``TorchFullyShardedDataParallel`` builds its device mesh
+    as ``DeviceMesh.from_group(group, "cuda")``, so torch's ``fully_shard`` expects every
+    parameter on ``cuda:0`` ("Expects the parameter to already be moved to device cuda:0 but got
+    cpu"). On the CPU the mesh is the same group's on ``cpu`` (gloo), where the parameters are."""
+    try:
+        from megatron.core.distributed import torch_fully_sharded_data_parallel as tfsdp  # noqa: PLC0415
+    except ImportError:
+        return
+    if not getattr(tfsdp, "HAVE_FSDP", False):
+        return
+    mesh = tfsdp.DeviceMesh
+
+    class CpuDeviceMesh:
+        @staticmethod
+        def from_group(group, device_type, *args, **kwargs):
+            return mesh.from_group(group, "cpu" if _is_cuda(device_type) else device_type, *args, **kwargs)
+
+    tfsdp.DeviceMesh = CpuDeviceMesh
+
+
+def _patch_megatron_fsdp_premul_sum() -> None:
+    """``--use-megatron-fsdp`` reduces gradients with NCCL's ``PREMUL_SUM`` (the scaling by
+    1 / (DP x CP) fused into the reduce-scatter) when ``gradient_reduce_div_fusion`` is on, its
+    default; gloo has no such op ("Cannot use ReduceOp.PREMUL_SUM with Gloo"). On the CPU the
+    same sum is Megatron-FSDP's own unfused branch: multiply the bucket by the factor, then SUM
+    (``gradient_reduce_preprocessing`` with the fusion off)."""
+    try:
+        from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer  # noqa: PLC0415
+    except ImportError:
+        return
+    original = param_and_grad_buffer.gradient_reduce_preprocessing
+
+    @functools.wraps(original)
+    def gradient_reduce_preprocessing(grad_data, scaling_factor, ddp_config):
+        if getattr(ddp_config, "gradient_reduce_div_fusion", False):
+            ddp_config = copy.copy(ddp_config)  # the caller's config unchanged
+            ddp_config.gradient_reduce_div_fusion = False
+        return original(grad_data, scaling_factor, ddp_config)
+
+    param_and_grad_buffer.gradient_reduce_preprocessing = gradient_reduce_preprocessing
+
+
 def _patch_megatron_training() -> None:
     """``megatron.training`` (``parse_args``, ``pretrain``) on the CPU; absent before 0.17."""
     try:
@@ -366,8 +413,11 @@ def _patch_megatron_training() -> None:
         return
     # validate_args asks for the GPU architecture ...
     training_arguments.get_device_arch_version = lambda: 0
-    # ... and insists on this CUDA setting for TP/CP (meaningless on the CPU).
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    # ... and insists on this CUDA setting for TP/CP without FSDP (meaningless on the CPU;
+    # adapt_args takes it back for FSDP, which insists on the opposite).
+    if "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ:
+        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+        _state["set_max_connections"] = True  # ours: adapt_args may take it back
     # pretrain asserts CUDA unless initialize_megatron is told otherwise.
     training_loop.initialize_megatron = functools.partial(
         training_initialize.initialize_megatron, allow_no_cuda=True
@@ -397,6 +447,8 @@ def apply(cuda_tensors_to_cpu: bool = True) -> None:
     _patch_moe_split_sizes()
     _patch_uneven_sequence_parallel_collectives()
     _patch_hybrid_final_norm()
+    _patch_torch_fsdp2_mesh()
+    _patch_megatron_fsdp_premul_sum()
     torch.cuda.current_device = lambda: 0
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_stream = lambda *a, **k: _NoStream()
@@ -446,6 +498,14 @@ def adapt_args(args) -> None:
     args.use_cpu_initialization = True
     args.distributed_backend = "gloo"
     args.transformer_impl = "local"  # Transformer Engine is GPU-only
+    if _state["set_max_connections"]:
+        # validate_args wants CUDA_DEVICE_MAX_CONNECTIONS == "1" for TP / CP without FSDP and
+        # != "1" with FSDP (a CUDA stream setting, meaningless on the CPU). Only the value that
+        # apply() set is changed: a user's own stays, and Megatron names it.
+        if getattr(args, "use_torch_fsdp2", False) or getattr(args, "use_megatron_fsdp", False):
+            os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
+        else:
+            os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
 
 
 def adapt_config(config) -> None:

@@ -248,3 +248,34 @@ def test_the_patches_can_leave_cuda_tensors_on_cuda():
     ((applied, device, modes, refused),) = run_ranks(without_cuda_to_cpu_worker, 1, timeout=60)
     assert applied and device == 0 and "CudaToCpuMode" not in modes
     assert refused is not None and "cuda_tensors_to_cpu=False" in refused
+
+
+def fsdp_worker(rank, world_size):
+    """Megatron-FSDP's gradient pre-scaling with the div fusion on (its default), and the
+    CUDA_DEVICE_MAX_CONNECTIONS that adapt_args leaves for FSDP and for TP / CP without it."""
+    import argparse  # noqa: PLC0415
+    import os  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+    from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig  # noqa: PLC0415
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer  # noqa: PLC0415
+
+    cpu_patches.apply()
+    config = DistributedDataParallelConfig(gradient_reduce_div_fusion=True)
+    grad = torch.randn(7, generator=torch.Generator().manual_seed(3))
+    want = grad * 0.25
+    op = param_and_grad_buffer.gradient_reduce_preprocessing(grad, 0.25, config)
+    connections = []
+    for fsdp in (True, False, True):
+        cpu_patches.adapt_args(argparse.Namespace(use_megatron_fsdp=fsdp, use_torch_fsdp2=False))
+        connections.append(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"))
+    return op == torch.distributed.ReduceOp.SUM, torch.equal(grad, want), config.gradient_reduce_div_fusion, connections
+
+
+def test_megatron_fsdp_reduces_with_sum_after_scaling_and_fsdp_gets_its_connections():
+    """gloo has no PREMUL_SUM: the bucket is scaled in place, then summed (Megatron-FSDP's own
+    unfused branch), the caller's config unchanged; FSDP runs without the CUDA_DEVICE_MAX_CONNECTIONS
+    = 1 that TP / CP without FSDP need (both Megatron's validate_args rules)."""
+    ((is_sum, scaled, fusion_kept, connections),) = run_ranks(fsdp_worker, 1, timeout=60)
+    assert is_sum and scaled and fusion_kept
+    assert connections == [None, "1", None]

@@ -204,12 +204,52 @@ def record_first_step_grads(step: int = 1, every_chunk: bool = False) -> dict:
         calls[0] += 1
         if calls[0] == step:
             chunks = enumerate(model if every_chunk else model[:1])
-            recorded["grads"] = {(f"chunk{i}.{name}" if every_chunk else name): p.main_grad.detach().clone().double()
-                                 for i, chunk in chunks for name, p in chunk.named_parameters()}
+            recorded["grads"] = {(f"chunk{i}.{name}" if every_chunk else name): grad
+                                 for i, chunk in chunks for name, grad in unsharded_grads(chunk).items()}
         return out
 
     training.finalize_model_grads = recording
     return recorded
+
+
+def unsharded_grads(chunk) -> dict:
+    """Every parameter's reduced gradient, whole, in float64, by name. Megatron's DDP keeps it in
+    ``main_grad``; with ``--use-torch-fsdp2`` each rank holds a dim-0 shard in ``grad`` (a
+    DTensor); with ``--use-megatron-fsdp`` (sharding ``optim_grads`` / ``optim_grads_params``)
+    a piece of its flat gradient buffer (an uneven DTensor per parameter, empty on some ranks,
+    where ``grad`` is None). The sharded ones are gathered: collective, so every rank of the
+    data-parallel group calls this, for the same parameters in the same order."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import uneven_dtensor  # noqa: PLC0415
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.utils import find_megatron_fsdp  # noqa: PLC0415
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415
+
+    fsdp = find_megatron_fsdp(chunk)
+    if fsdp is not None:  # by the buffer's names (the module's, without the wrappers' "module." prefixes)
+        grads = fsdp.param_and_grad_buffer.dist_main_grad
+        return {name: _gather_uneven(grads[name], uneven_dtensor) for name in sorted(grads)}
+    return {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.main_grad).detach().clone().double()
+            for name, p in chunk.named_parameters()}
+
+
+def _gather_uneven(dtensor, uneven_dtensor) -> torch.Tensor:
+    """A Megatron-FSDP gradient, whole, in float64. Megatron's own ``uneven_dtensor_to_full_tensor``
+    all-gathers pieces of unequal sizes, which gloo refuses ("ProcessGroupGloo::allgather:
+    invalid tensor size"): here each rank writes its piece (its chunk's offsets and sizes) into
+    zeros and the group sums them, each element owned by exactly one rank (asserted)."""
+    local = dtensor._local_tensor
+    if not hasattr(local, "__create_chunk_list__"):
+        uneven_dtensor.update_uneven_dtensor_chunk_metadata(dtensor)  # collective
+    (piece,) = local.__create_chunk_list__()
+    where = tuple(slice(o, o + n) for o, n in zip(piece.offsets, piece.sizes))
+    full = torch.zeros(dtensor.shape, dtype=torch.float64)
+    owners = torch.zeros(dtensor.shape, dtype=torch.int32)
+    full[where] = local.detach().double().reshape(piece.sizes)
+    owners[where] = 1
+    group = dtensor.device_mesh.get_group()  # a 1-D mesh: DP x CP (no TP here)
+    dist.all_reduce(full, group=group)
+    dist.all_reduce(owners, group=group)
+    assert bool((owners == 1).all()), "a Megatron-FSDP gradient's pieces do not tile it"
+    return full
 
 
 def assert_first_step_grads_match(grads: dict, ref: dict, what: str, tol: float = 1e-5) -> float:
