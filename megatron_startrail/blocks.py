@@ -276,15 +276,20 @@ def backward_step(
         inputs = (_rows(dout, call, "q"), _rows(q, call, "q"), kvs[..., :dqk], kvs[..., dqk:], _rows(out, call, "q"),
                   _rows(lse, call, "q").permute(1, 2, 0), call)
         if call.q_slice is not None and call.k_slice is not None and getattr(kernel, "backward_into", None) is not None:
-            # A per-sequence kernel adds each sequence's gradients into the accumulators' rows:
-            # no whole-call gradients beside them (peak memory). Rows no call has written yet
-            # are zeroed first (Note [fresh rows]: accumulators start unwritten).
+            # A per-sequence kernel writes each launch's gradients into the accumulators' rows:
+            # no whole-call gradients beside them (peak memory). Note [fresh rows]: a side whose
+            # rows no call has written yet takes them as they are (``add`` False: a copy, no
+            # zero fill and add); one partly written has its unwritten rows zeroed first.
             (a, b), (c, d) = call.q_slice, call.k_slice
+            add = []
             for acc, fresh, (x0, x1) in ((dq, fresh_q, (a, b)), (dkv, fresh_kv, (c, d))):
-                if fresh is not None:
-                    for x, y in fresh.take(x0, x1)[0]:
+                runs = fresh.take(x0, x1)[0] if fresh is not None else []
+                add.append(runs != [(x0, x1)])
+                if add[-1]:
+                    for x, y in runs:
                         acc[x:y].zero_()
-            kernel.backward_into((dq[a:b], dkv[c:d, ..., :dqk], dkv[c:d, ..., dqk:]), *inputs, scale=scale)
+            kernel.backward_into((dq[a:b], dkv[c:d, ..., :dqk], dkv[c:d, ..., dqk:]), *inputs, scale=scale,
+                                 add=(add[0], add[1], add[1]))
             continue
         gq, gk, gv = kernel.backward(*inputs, scale=scale)
         _add_into(dq, (gq,), call, "q", fresh_q)
