@@ -95,6 +95,14 @@ class FreshRows:
             written.append((pos, b))
         return fresh, written
 
+    def unwritten(self, runs) -> bool:
+        """Whether every row of ``runs`` (row runs ``(a, b)``: a gathered call's) is unwritten and no
+        row repeats (a call that gathers such rows may write them instead of adding to them)."""
+        ordered = sorted(r for r in runs if r[0] < r[1])
+        if any(x[1] > y[0] for x, y in zip(ordered, ordered[1:])):
+            return False
+        return all(any(lo <= a and b <= hi for lo, hi in self._unwritten) for a, b in ordered)
+
     def fill(self, fill_rows) -> None:
         """``fill_rows(a, b)`` for every run still unwritten; then none is."""
         for a, b in self._unwritten:
@@ -179,6 +187,11 @@ def _rows(x: torch.Tensor, call: KernelCall, side: str, dim: int = 0) -> torch.T
     return x.index_select(dim, call.tensor(side + "_index", x.device))
 
 
+def _call_runs(call: KernelCall, side: str) -> tuple[tuple[int, int], ...]:
+    """The row runs a gathered call's query (``side="q"``) or key index takes, in order (host ints)."""
+    return call.q_rows if side == "q" else tuple(r for ranges in call.k_rows for r in ranges)
+
+
 def _add_into(dst: torch.Tensor, srcs: tuple[torch.Tensor, ...], call: KernelCall, side: str,
               fresh: FreshRows | None) -> None:
     """The call's rows (dim 0) of ``dst`` += ``srcs`` (side by side in the last dim: dK | dV
@@ -190,11 +203,15 @@ def _add_into(dst: torch.Tensor, srcs: tuple[torch.Tensor, ...], call: KernelCal
         parts.append(dst[..., col : col + src.shape[-1]])
         col += src.shape[-1]
     if run is None:
-        if fresh is not None:
-            fresh.fill(lambda a, b: dst[a:b].zero_())
         index = call.tensor(side + "_index", dst.device)
+        first = fresh is not None and fresh.unwritten(_call_runs(call, side))
+        if fresh is not None:  # every unwritten row at once (a few runs); the call's own then written over
+            fresh.fill(lambda a, b: dst[a:b].zero_())
         for part, src in zip(parts, srcs):
-            part.index_add_(0, index, src.to(dst.dtype))
+            if first:  # the first call to reach each of its rows: copied in (Note [fresh rows])
+                part.index_copy_(0, index, src.to(dst.dtype))
+            else:
+                part.index_add_(0, index, src.to(dst.dtype))
         return
     a, b = run
     fresh_runs, written = fresh.take(a, b) if fresh is not None else ([], [run])
@@ -237,13 +254,18 @@ def forward_step(
             for x, y in written:
                 merge_lse_(acc_out[:, :, x:y], acc_lse[:, :, x:y], out[:, :, x - a : y - a], lse[:, :, x - a : y - a])
         else:
-            fill_unseen(acc_out, acc_lse, fresh)  # the index's rows are merged into
+            first = fresh is not None and fresh.unwritten(call.q_rows)
+            fill_unseen(acc_out, acc_lse, fresh)  # every unwritten row at once (a few runs)
             index = call.tensor("q_index", q.device)
-            part_out, part_lse = acc_out.index_select(2, index), acc_lse.index_select(2, index)
-            merge_lse_(part_out, part_lse, out, lse)
-            acc_out.index_copy_(2, index, part_out)
-            acc_lse.index_copy_(2, index, part_lse)
-            del part_out, part_lse
+            if first:  # Note [fresh rows]: every row's first call, its result written over the fill
+                acc_out.index_copy_(2, index, out.to(acc_out.dtype))
+                acc_lse.index_copy_(2, index, lse.to(acc_lse.dtype))
+            else:
+                part_out, part_lse = acc_out.index_select(2, index), acc_lse.index_select(2, index)
+                merge_lse_(part_out, part_lse, out, lse)
+                acc_out.index_copy_(2, index, part_out)
+                acc_lse.index_copy_(2, index, part_lse)
+                del part_out, part_lse
         # Merged: freed before the next call's kernel runs (else two calls' results are live at once).
         del out, lse, kvs
 
