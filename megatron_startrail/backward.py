@@ -38,15 +38,15 @@ def backward_kv(ctx, dout, saved: list):
         kv_init = PieceTransfer.local(kv_team, groups.team_size)
     saved.clear()  # the caller's references: what saved-tensor hooks unpacked is freed as this goes
     dtype = q_team.dtype
-    do_out, lse_team = _gather_query_side(comm, groups, dout, out, lse)
+    dout_team, out_team, lse_team = _gather_query_side(comm, groups, dout, out, lse)
     # dK, dV go back along the reverse of the initial send while dQ is reduce-scattered
     # in the team (float32): every member keeps its own rows.
-    dq_team, dkv_back = _sub_ring_backward_kv(comm, groups, docs, ctx.kernel, ctx.transfer, q_team, do_out,
-                                              lse_team, kv_init, causal=ctx.causal, scale=ctx.scale,
+    dq_team, dkv_back = _sub_ring_backward_kv(comm, groups, docs, ctx.kernel, ctx.transfer, q_team, dout_team,
+                                              out_team, lse_team, kv_init, causal=ctx.causal, scale=ctx.scale,
                                               window=ctx.window, max_rows=q_team.shape[0] // groups.team_size)
     # The team's buffers are done with: free them before the reductions (peak memory;
     # what the forward saved stays alive in ctx until the backward returns).
-    del q_team, do_out, lse_team, kv_init
+    del q_team, dout_team, out_team, lse_team, kv_init
     dqk = dq_team.shape[-1]
     dq = comm.reduce_scatter(dq_team, groups.team_group, groups.team_size, op="team_reduce_scatter")
     del dq_team
@@ -229,25 +229,27 @@ def backward_q(ctx, dout, saved: list):
 
 def _gather_query_side(comm, groups, dout, out, lse):
     """Team all-gather of the query-side inputs of the block backward besides Q: returns
-    ``do_out [C*n, b, h, 2 dv]`` (dO | out side by side) and ``lse_team [C*n, b, h]``. Q
-    stays its own tensor (no copy of the team's Q into a joint buffer: peak memory)."""
+    ``dout_team``, ``out_team [C*n, b, h, dv]`` and ``lse_team [C*n, b, h]``, all three in flight
+    at once. Each its own dense tensor, not dO | out side by side in one: a call's rows of each
+    are then dense views, which the kernels take as they are (the fused backward ops copy a
+    strided dO or out into a dense one first: 2.2 GB a layer at P8 C2, GQA 32/8, 128K), and
+    no concatenated copy is made to send. Q stays its own tensor (no copy of the team's Q into a
+    joint buffer: peak memory)."""
     c = groups.team_size
-    do_out = comm.all_gather(torch.cat([dout, out], dim=-1), groups.team_group, c, op="team_all_gather", wait=False)
-    lse_team = comm.all_gather(lse, groups.team_group, c, op="team_all_gather", wait=False)  # both fly at once
-    return do_out.wait(), lse_team.wait()
+    pending = [comm.all_gather(t, groups.team_group, c, op="team_all_gather", wait=False) for t in (dout, out, lse)]
+    return tuple(p.wait() for p in pending)
 
 
-def _sub_ring_backward_kv(comm, groups, docs, kernel, transfer, q_team, do_out, lse_team, kv_init: PieceTransfer,
-                          *, causal, scale, window=None, max_rows=None):
+def _sub_ring_backward_kv(comm, groups, docs, kernel, transfer, q_team, dout_team, out_team, lse_team,
+                          kv_init: PieceTransfer, *, causal, scale, window=None, max_rows=None):
     """Rotation "kv": the forward's sub-ring schedule with the team's query side fixed and
     K, V circulating with their dK, dV accumulators; step 0 uses each piece of ``kv_init``
-    as it lands. ``q_team [C*n, b, h, dqk]``, ``do_out [C*n, b, h, 2 dv]`` (dO | out),
+    as it lands. ``q_team [C*n, b, h, dqk]``, ``dout_team``, ``out_team [C*n, b, h, dv]``,
     ``lse_team [C*n, b, h]``. Returns ``dq_team [C*n, b, h, dqk]`` and the reverse initial
     send of ``dkv_init [C*n, b, hkv, dqk + dv]`` (accumulator dtype), started once the
     accumulators are home. ``max_rows`` bounds the query and key rows of one kernel call."""
     topo, pos = groups.topology, groups.startrail_rank
     acc_dtype = blocks.acc_dtype(q_team.dtype)
-    dv = do_out.shape[-1] // 2
     rows = q_team.shape[0]  # of the team's gathered sequence
     lanes = sub_ring_lanes(topo, pos, transfer)
 
@@ -261,7 +263,7 @@ def _sub_ring_backward_kv(comm, groups, docs, kernel, transfer, q_team, do_out, 
         for lane_index, (lane, (kv,), kv_rows) in enumerate(zip(kv_rot.lanes, payloads, part_rows)):
             dkv, fresh_kv = kv.new_empty(kv.shape, dtype=acc_dtype), blocks.FreshRows(kv.shape[0])
             kv_segments = kv_rot.part_segments(lane.origin(pos, step), lane_index, kv_rows)
-            blocks.backward_step(kernel, q_team, do_out[..., :dv], do_out[..., dv:], lse_team, kv, own_q_segments,
+            blocks.backward_step(kernel, q_team, dout_team, out_team, lse_team, kv, own_q_segments,
                                  kv_segments, dq_team, dkv, causal=causal, scale=scale, window=window,
                                  max_rows=max_rows, fresh_q=fresh_q, fresh_kv=fresh_kv)
             fresh_kv.fill(lambda a, b, dkv=dkv: dkv[a:b].zero_())

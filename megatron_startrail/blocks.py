@@ -96,6 +96,14 @@ class FreshRows:
             written.append((pos, b))
         return fresh, written
 
+    def unwritten(self, runs) -> bool:
+        """Whether every row of ``runs`` (row runs ``(a, b)``: a gathered call's) is unwritten and no
+        row repeats (a call that gathers such rows may write them instead of adding to them)."""
+        ordered = sorted(r for r in runs if r[0] < r[1])
+        if any(x[1] > y[0] for x, y in zip(ordered, ordered[1:])):
+            return False
+        return all(any(lo <= a and b <= hi for lo, hi in self._unwritten) for a, b in ordered)
+
     def fill(self, fill_rows) -> None:
         """``fill_rows(a, b)`` for every run still unwritten; then none is."""
         for a, b in self._unwritten:
@@ -180,6 +188,11 @@ def _rows(x: torch.Tensor, call: KernelCall, side: str, dim: int = 0) -> torch.T
     return x.index_select(dim, call.tensor(side + "_index", x.device))
 
 
+def _call_runs(call: KernelCall, side: str) -> tuple[tuple[int, int], ...]:
+    """The row runs a gathered call's query (``side="q"``) or key index takes, in order (host ints)."""
+    return call.q_rows if side == "q" else tuple(r for ranges in call.k_rows for r in ranges)
+
+
 def _add_into(dst: torch.Tensor, srcs: tuple[torch.Tensor, ...], call: KernelCall, side: str,
               fresh: FreshRows | None) -> None:
     """The call's rows (dim 0) of ``dst`` += ``srcs`` (side by side in the last dim: dK | dV
@@ -191,11 +204,15 @@ def _add_into(dst: torch.Tensor, srcs: tuple[torch.Tensor, ...], call: KernelCal
         parts.append(dst[..., col : col + src.shape[-1]])
         col += src.shape[-1]
     if run is None:
-        if fresh is not None:
-            fresh.fill(lambda a, b: dst[a:b].zero_())
         index = call.tensor(side + "_index", dst.device)
+        first = fresh is not None and fresh.unwritten(_call_runs(call, side))
+        if fresh is not None:  # every unwritten row at once (a few runs); the call's own then written over
+            fresh.fill(lambda a, b: dst[a:b].zero_())
         for part, src in zip(parts, srcs):
-            part.index_add_(0, index, src.to(dst.dtype))
+            if first:  # the first call to reach each of its rows: copied in (Note [fresh rows])
+                part.index_copy_(0, index, src.to(dst.dtype))
+            else:
+                part.index_add_(0, index, src.to(dst.dtype))
         return
     a, b = run
     fresh_runs, written = fresh.take(a, b) if fresh is not None else ([], [run])
@@ -243,13 +260,18 @@ def forward_step(
             for x, y in written:
                 merge_lse_(acc_out[:, :, x:y], acc_lse[:, :, x:y], out[:, :, x - a : y - a], lse[:, :, x - a : y - a])
         else:
-            fill_unseen(acc_out, acc_lse, fresh)  # the index's rows are merged into
+            first = fresh is not None and fresh.unwritten(call.q_rows)
+            fill_unseen(acc_out, acc_lse, fresh)  # every unwritten row at once (a few runs)
             index = call.tensor("q_index", q.device)
-            part_out, part_lse = acc_out.index_select(2, index), acc_lse.index_select(2, index)
-            merge_lse_(part_out, part_lse, out, lse)
-            acc_out.index_copy_(2, index, part_out)
-            acc_lse.index_copy_(2, index, part_lse)
-            del part_out, part_lse
+            if first:  # Note [fresh rows]: every row's first call, its result written over the fill
+                acc_out.index_copy_(2, index, out.to(acc_out.dtype))
+                acc_lse.index_copy_(2, index, lse.to(acc_lse.dtype))
+            else:
+                part_out, part_lse = acc_out.index_select(2, index), acc_lse.index_select(2, index)
+                merge_lse_(part_out, part_lse, out, lse)
+                acc_out.index_copy_(2, index, part_out)
+                acc_lse.index_copy_(2, index, part_lse)
+                del part_out, part_lse
         # Merged: freed before the next call's kernel runs (else two calls' results are live at once).
         del out, lse, kvs
 
@@ -282,15 +304,20 @@ def backward_step(
         inputs = (_rows(dout, call, "q"), _rows(q, call, "q"), kvs[..., :dqk], kvs[..., dqk:], _rows(out, call, "q"),
                   _rows(lse, call, "q").permute(1, 2, 0), call)
         if call.q_slice is not None and call.k_slice is not None and getattr(kernel, "backward_into", None) is not None:
-            # A per-sequence kernel adds each sequence's gradients into the accumulators' rows:
-            # no whole-call gradients beside them (peak memory). Rows no call has written yet
-            # are zeroed first (Note [fresh rows]: accumulators start unwritten).
+            # A per-sequence kernel writes each launch's gradients into the accumulators' rows:
+            # no whole-call gradients beside them (peak memory). Note [fresh rows]: a side whose
+            # rows no call has written yet takes them as they are (``add`` False: a copy, no
+            # zero fill and add); one partly written has its unwritten rows zeroed first.
             (a, b), (c, d) = call.q_slice, call.k_slice
+            add = []
             for acc, fresh, (x0, x1) in ((dq, fresh_q, (a, b)), (dkv, fresh_kv, (c, d))):
-                if fresh is not None:
-                    for x, y in fresh.take(x0, x1)[0]:
+                runs = fresh.take(x0, x1)[0] if fresh is not None else []
+                add.append(runs != [(x0, x1)])
+                if add[-1]:
+                    for x, y in runs:
                         acc[x:y].zero_()
-            kernel.backward_into((dq[a:b], dkv[c:d, ..., :dqk], dkv[c:d, ..., dqk:]), *inputs, scale=scale)
+            kernel.backward_into((dq[a:b], dkv[c:d, ..., :dqk], dkv[c:d, ..., dqk:]), *inputs, scale=scale,
+                                 add=(add[0], add[1], add[1]))
             continue
         gq, gk, gv = kernel.backward(*inputs, scale=scale)
         _add_into(dq, (gq,), call, "q", fresh_q)

@@ -527,14 +527,23 @@ class _EmulatedAtenOps:
         assert lse.shape[-1] % 32 == 0 and lse.is_contiguous() and list(mask) == [True, True, True, False]
         return (*self._dense_bwd(dout, q, k, v, out, lse[..., : q.shape[2]], bias, is_causal, scale), None)
 
+    @staticmethod
+    def _like(x, layout):
+        # the op allocates its results in the layout of the input they belong to (PyTorch's
+        # alloc_with_matching_layout: out and dQ like q, dK like k, dV like v)
+        return torch.empty_like(layout).copy_(x)
+
     def _scaled_dot_product_cudnn_attention(self, q, k, v, bias, compute_lse, p, is_causal, debug, *, scale):
+        assert all(t.stride(-1) == 1 for t in (q, k, v))  # any strides, a dense head dim
         out, lse = self._dense(q, k, v, bias, is_causal, scale, True)
-        return out, lse.unsqueeze(-1), None, None, q.shape[2], k.shape[2], None, None, None
+        return self._like(out, q), lse.unsqueeze(-1), None, None, q.shape[2], k.shape[2], None, None, None
 
     def _scaled_dot_product_cudnn_attention_backward(self, dout, q, k, v, out, lse, seed, offset, bias, cq, ck, mq,
                                                      mk, p, is_causal, *, scale):
-        assert lse.dim() == 4 and lse.shape[-1] == 1 and all(t.is_contiguous() for t in (dout, q, k, v, out))
-        return self._dense_bwd(dout, q, k, v, out, lse.squeeze(-1), bias, is_causal, scale)
+        assert lse.dim() == 4 and lse.shape[-1] == 1 and all(t.stride(-1) == 1 for t in (dout, q, k, v, out))
+        assert all(x == y for n, x, y in zip(out.shape, out.stride(), dout.stride()) if n > 1), "dO laid out like out"
+        grads = self._dense_bwd(dout, q, k, v, out, lse.squeeze(-1), bias, is_causal, scale)
+        return tuple(self._like(g, t) for g, t in zip(grads, (q, k, v)))
 
     def _ragged(self, q, k, v, cq, ck, is_causal):
         """cuDNN's ragged op: ``[total, h, d]`` dense rows, no GQA, top-left causal (taken here only

@@ -67,6 +67,10 @@ class Counts:
     adapter_launch: int = 0
     adapter_bytes: int = 0
     kernel_bytes: int = 0  # the attention calls' operands and results, for scale
+    # The same ops' bytes as the memory sees them (:func:`_touched_bytes`): a destination that is
+    # only written counted once, an index op at the rows it gathers or scatters.
+    touched: int = 0
+    adapter_touched: int = 0
     by_op_bytes: Counter = dataclasses.field(default_factory=Counter)
     in_adapter: bool = False
 
@@ -81,6 +85,28 @@ def _tensor_bytes(tree) -> int:
         elif isinstance(leaf, (list, tuple, dict)):
             total += _tensor_bytes(leaf)
     return total
+
+
+# In-place ops that write their first argument without reading it (the bytes column counts
+# every argument as read and the result as written: these destinations twice).
+_WRITE_ONLY = {"copy_", "zero_", "fill_", "index_copy_", "index_fill_", "masked_fill_"}
+
+
+def _touched_bytes(name: str, args, kwargs, result) -> int:
+    """Bytes the op reads and writes in memory: ``index_select`` reads the rows it gathers (its
+    result's size), ``index_copy_`` / ``index_add_`` write (and, adding, read) the rows of their
+    source's size; a destination only written (``copy_``, ``zero_``, an ``out=``) is counted once."""
+    if name == "index_select":
+        return 2 * _tensor_bytes(result) + _tensor_bytes(args[2])
+    if name in ("index_copy_", "index_add_"):
+        rows = _tensor_bytes(args[3])
+        return rows * (2 if name == "index_copy_" else 3) + _tensor_bytes(args[2])
+    written = _tensor_bytes(result)
+    if name in _WRITE_ONLY:
+        return written + _tensor_bytes(args[1:])
+    if kwargs and "out" in kwargs:
+        return written + _tensor_bytes(args) + _tensor_bytes({k: v for k, v in kwargs.items() if k != "out"})
+    return _tensor_bytes(args) + _tensor_bytes(kwargs or {}) + written
 
 
 class _OpCounter(TorchDispatchMode):
@@ -105,12 +131,15 @@ class _OpCounter(TorchDispatchMode):
             moved = _tensor_bytes(args) + _tensor_bytes(kwargs or {}) + _tensor_bytes(result)
             counts.launch += 1
             counts.by_op[f"{namespace}.{name}"] += 1
+            touched = _touched_bytes(name, args, kwargs, result)
             if counts.in_adapter:
                 counts.adapter_launch += 1
                 counts.adapter_bytes += moved
+                counts.adapter_touched += touched
                 counts.by_op_bytes[f"adapter {namespace}.{name}"] += moved
             else:
                 counts.bytes += moved
+                counts.touched += touched
                 counts.by_op_bytes[f"{namespace}.{name}"] += moved
         return result
 

@@ -48,27 +48,47 @@ def row(name: str, case: Case) -> dict:
     return {"case": name, "world": case.world, "team": case.team, "heads": case.heads, "kv_heads": case.kv_heads,
             "kernel": case.kernel, "launch": c.launch, "kernel_calls": c.kernel, "comm": c.comm,
             "schedule_bytes": c.bytes, "adapter_launch": c.adapter_launch, "adapter_bytes": c.adapter_bytes,
-            "kernel_io_bytes": c.kernel_bytes,
+            "kernel_io_bytes": c.kernel_bytes, "touched_bytes": c.touched + c.adapter_touched,
             "top_bytes": {k: v for k, v in c.by_op_bytes.most_common(8)}}
+
+
+def _total(r: dict) -> float:
+    return r["schedule_bytes"] + r["adapter_bytes"]
+
+
+def _versus(r: dict, rows: list[dict]) -> str:
+    """A CUDA adapter's row against the same case on the reference path, a packed or window
+    row against its dense row (schedule + adapter bytes); "-" for the dense reference rows."""
+    tag = r["case"].split(" dense")[0].split(" window")[0].split(" packed")[0]
+    if r["case"] == f"{tag} dense":
+        return "-"
+    base = next((x for x in rows if x["case"] == f"{tag} dense"), None)
+    return f"{_total(r) / _total(base):.2f}x" if base else "-"
 
 
 def table(rows: list[dict], before: list[dict] | None) -> list[str]:
     prior = {r["case"]: r for r in before or []}
     head = ("| case | launches | kernel calls | schedule GB | adapter launches | adapter GB | kernel I/O GB "
-            "| ms at HBM |")
+            "| ms at HBM | vs dense reference | touched GB |")
     if before:
-        head += " launches before | schedule GB before | ms at HBM before |"
+        head += (" launches before | schedule GB before | adapter GB before | ms at HBM before | vs dense reference "
+                 "before | touched GB before |")
     out = [head, "|" + "---|" * (head.count("|") - 1)]
 
     def ms(r):
-        return (r["schedule_bytes"] + r["adapter_bytes"]) / HBM_BYTES_PER_S * 1e3
+        return _total(r) / HBM_BYTES_PER_S * 1e3
+
+    def touched(r):
+        return f"{r['touched_bytes'] / 1e9:.2f}" if "touched_bytes" in r else "-"
 
     for r in rows:
         cells = [r["case"], r["launch"], r["kernel_calls"], f"{r['schedule_bytes'] / 1e9:.2f}", r["adapter_launch"],
-                 f"{r['adapter_bytes'] / 1e9:.2f}", f"{r['kernel_io_bytes'] / 1e9:.2f}", f"{ms(r):.2f}"]
+                 f"{r['adapter_bytes'] / 1e9:.2f}", f"{r['kernel_io_bytes'] / 1e9:.2f}", f"{ms(r):.2f}",
+                 _versus(r, rows), touched(r)]
         if before:
             p = prior.get(r["case"])
-            cells += [p["launch"], f"{p['schedule_bytes'] / 1e9:.2f}", f"{ms(p):.2f}"] if p else ["-"] * 3
+            cells += ([p["launch"], f"{p['schedule_bytes'] / 1e9:.2f}", f"{p['adapter_bytes'] / 1e9:.2f}",
+                       f"{ms(p):.2f}", _versus(p, before), touched(p)] if p else ["-"] * 6)
         out.append("| " + " | ".join(str(c) for c in cells) + " |")
     return out
 

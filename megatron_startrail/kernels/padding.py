@@ -83,14 +83,15 @@ class EqualHeadDimsKernel:
         )
         return cut_head_dim(dq, d_qk), cut_head_dim(dk, d_qk), cut_head_dim(dv, d_v)
 
-    def backward_into(self, grads, dout, q, k, v, out, lse, call, *, scale):
-        """:meth:`backward` added into ``grads = (dq, dk, dv)``: by the kernel proper's own
-        ``backward_into`` where nothing is padded, else through :meth:`backward`."""
+    def backward_into(self, grads, dout, q, k, v, out, lse, call, *, scale, add=(True, True, True)):
+        """:meth:`backward` written into ``grads = (dq, dk, dv)`` (``add[i]`` False: copied, the
+        rows hold nothing yet): by the kernel proper's own ``backward_into`` where nothing is
+        padded, else through :meth:`backward`."""
         kernel_into = getattr(super(), "backward_into", None)
         if kernel_into is not None and common_head_dim(q.shape[-1], v.shape[-1], self.head_dim_multiple) == \
                 q.shape[-1] == v.shape[-1]:
-            return kernel_into(grads, dout, q, k, v, out, lse, call, scale=scale)
+            return kernel_into(grads, dout, q, k, v, out, lse, call, scale=scale, add=add)
         # EqualHeadDimsKernel's own backward, not self.backward: the entry's call check has run.
-        for acc, grad in zip(grads, EqualHeadDimsKernel.backward(self, dout, q, k, v, out, lse, call, scale=scale)):
-            acc.add_(grad)
+        for acc, grad, plus in zip(grads, EqualHeadDimsKernel.backward(self, dout, q, k, v, out, lse, call, scale=scale), add):
+            acc.add_(grad) if plus else acc.copy_(grad)
         return None

@@ -147,14 +147,31 @@ class TorchCUDAEfficientKernel(CheckedKernel, PerSequenceKernel):
         return cut_head_dim(dq, q.shape[-1]), cut_head_dim(dk, k.shape[-1]), cut_head_dim(dv, v.shape[-1])
 
 
+def _last_dense(x):
+    """``x`` itself when its last dim is dense (any other strides: the cuDNN op takes them), else a copy."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _out_like(dout, out):
+    """``(dout, out)`` laid out alike, what cuDNN's backward wants (it copies dO otherwise): as they
+    are when they already are (the schedule's out and dO are both ``[s, b, h, dv]`` storage), else
+    both made contiguous ``[B, h, s, dv]``."""
+    same = all(x == y for n, x, y in zip(out.shape, out.stride(), dout.stride()) if n > 1)
+    if same and out.stride(-1) == 1:
+        return dout, out
+    return dout.contiguous(), out.contiguous()
+
+
 class TorchCUDACudnnKernel(CheckedKernel, EqualHeadDimsKernel, PerSequenceKernel):
     """``aten::_scaled_dot_product_cudnn_attention`` (cuDNN's fused attention); lse comes
-    back as ``[B, h, sq, 1]``. Inputs are made contiguous ``[B, h, s, d]`` (the layout the H100
-    passed every accuracy row with; cuDNN's backward wants dO laid out like out). A dense call
-    (one sequence, or equal ones) is one launch with the sequences folded into the batch
-    (:func:`~.varlen.sequence_groups`); packed documents of different lengths take one each
-    (torch 2.13's own ``varlen_attn`` keeps cuDNN's variable-length op off, and it takes no
-    window or GQA: flash serves them)."""
+    back as ``[B, h, sq, 1]``. Zero-copy: q, k, v, out and dO go in as the schedule holds them,
+    ``[B, h, s, d]`` views of ``[s, b, h, d]`` storage (the op takes any strides with a dense
+    head dim, and gives out and the gradients q's layout, so they come back as ``[s, b, h, d]``
+    rows too); dO and out laid out alike (cuDNN's backward wants it). GQA: K/V heads are expanded
+    (the op takes one head count). A dense call (one sequence, or equal ones) is one launch
+    with the sequences folded into the batch (:func:`~.varlen.sequence_groups`); packed
+    documents of different lengths take one each (torch 2.13's own ``varlen_attn`` keeps
+    cuDNN's variable-length op off, and it takes no window or GQA: flash serves them)."""
 
     name = "torch_cuda_cudnn"
     head_dim_multiple = 8
@@ -162,17 +179,17 @@ class TorchCUDACudnnKernel(CheckedKernel, EqualHeadDimsKernel, PerSequenceKernel
     def _attend(self, q, k, v, *, causal, mask, scale):
         h = q.shape[1]
         res = _aten._scaled_dot_product_cudnn_attention(
-            q.contiguous(), expand_kv_heads(k, h).contiguous(), expand_kv_heads(v, h).contiguous(),
+            _last_dense(q), _last_dense(expand_kv_heads(k, h)), _last_dense(expand_kv_heads(v, h)),
             _bias(mask, q), True, 0.0, causal, False, scale=scale,
         )
         return res[0], trim_lse(res[1], q.shape[2])
 
     def _attend_backward(self, dout, q, k, v, out, lse, *, causal, mask, scale):
         h, hkv = q.shape[1], k.shape[1]
+        dout, out = _out_like(dout, out)
         dq, dk, dv = _aten._scaled_dot_product_cudnn_attention_backward(
-            dout.contiguous(), q.contiguous(), expand_kv_heads(k, h).contiguous(),
-            expand_kv_heads(v, h).contiguous(), out.contiguous(), lse.unsqueeze(-1).contiguous(),
-            _no_rng(q.device), _no_rng(q.device), _bias(mask, q), None, None, q.shape[2], k.shape[2], 0.0, causal,
-            scale=scale,
+            dout, _last_dense(q), _last_dense(expand_kv_heads(k, h)), _last_dense(expand_kv_heads(v, h)), out,
+            lse.unsqueeze(-1).contiguous(), _no_rng(q.device), _no_rng(q.device), _bias(mask, q), None, None,
+            q.shape[2], k.shape[2], 0.0, causal, scale=scale,
         )
         return dq, sum_kv_head_groups(dk, hkv), sum_kv_head_groups(dv, hkv)

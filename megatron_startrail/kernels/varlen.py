@@ -155,14 +155,16 @@ class PerSequenceKernel:
             del gq, gk, gv  # copied: not held while the next launch runs
         return dq, dk, dv
 
-    def backward_into(self, grads, dout, q, k, v, out, lse, call: KernelCall, *, scale):
-        """:meth:`backward`, each launch's gradients added straight into ``grads = (dq, dk, dv)``
-        (accumulators of the call's rows, any dtype): no whole-call gradients beside them."""
+    def backward_into(self, grads, dout, q, k, v, out, lse, call: KernelCall, *, scale, add=(True, True, True)):
+        """:meth:`backward`, each launch's gradients written straight into ``grads = (dq, dk, dv)``
+        (accumulators of the call's rows, any dtype): no whole-call gradients beside them.
+        ``add[i]``: added into ``grads[i]``; False: copied (its rows hold nothing yet, Note
+        [fresh rows] in :mod:`megatron_startrail.blocks`; a call's sequences never share a row)."""
         for rq, rk, n, causal, mask in self._launches(call, q.device):
             parts = self._launch_backward(dout, q, k, v, out, lse, rq, rk, n, causal, mask, scale)
-            for acc, part, (a, b) in zip(grads, parts, (rq, rk, rk)):
-                _into_rows(acc[a:b], part, n, add=True)
-            del parts  # added: not held while the next launch runs
+            for acc, part, (a, b), plus in zip(grads, parts, (rq, rk, rk), add):
+                _into_rows(acc[a:b], part, n, add=plus)
+            del parts  # written: not held while the next launch runs
 
 
 def _whole(launches, tq: int, tk: int) -> bool:

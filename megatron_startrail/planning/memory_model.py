@@ -20,14 +20,14 @@ rotation below); every kernel call adds its kernel's workspace, ``W``, its own t
                                  most of: C (Eo + El) a (partials) + C Eo e (their copy in the
                                  input dtype, sent), and C Eo e (received) + 3 Eo a + 2 C El a
     backward, rotation "kv"      kept + [regathered] team Q, team K, V (G = 1: + init Ekv e,
-    (sub-ring step >= 1)         the last piece's send buffer) + C 2 Eo e + C El a (team
-                                 dO | out, lse) + C Eq a (dQ) + held K|V + dK|dV: G > 1,
+    (sub-ring step >= 1)         the last piece's send buffer) + [C > 1] C (2 Eo e + El a) (team
+                                 dO, out, lse) + C Eq a (dQ) + held K|V + dK|dV: G > 1,
                                  3 C Ekv a (this step's, the previous one's being sent, the
                                  one received); G = 1, (C + 1) Ekv a (the step's, assembled
                                  from its pieces, and one piece's) + kernel call: its bf16
-                                 dQ, dK, dV and its dense copies of dO, out: ring (Eq + 2 Eo)
-                                 e + Ekv e / 2 (n query rows, a chunk of keys), team (Eq +
-                                 2 Eo) e / 2 + Ekv e (a chunk of queries, n keys) + W
+                                 dQ, dK, dV (dO, out: dense views): ring Eq e + Ekv e / 2
+                                 (n query rows, a chunk of keys), team Eq e / 2 + Ekv e (a
+                                 chunk of queries, n keys) + W
     backward, rotation "q"       kept + [regathered] team K, V (C = 1: phases 1-2)
     (streamed per member)        + C Ekv a (the fixed dK|dV) + with S = (Eq + 2 Eo) e + El a,
                                  one member's side: C = 1, held S + 3 Eq a (dQ accumulators);
@@ -51,8 +51,8 @@ rotation below); every kernel call adds its kernel's workspace, ``W``, its own t
 "held" is a second copy of the circulating payload once it has moved (``G > 1``), two
 while the next one lands (``G > 2``). A backward kernel call's gradients are in the input
 dtype (:func:`megatron_startrail.blocks.backward_step` adds them into the float32
-accumulators and frees them before the next call); rotation "kv" hands the kernel dO and
-out as slices of the gathered dO | out, which it copies dense. The reverse initial send's
+accumulators and frees them before the next call); rotation "kv" hands the kernel its rows
+of the gathered dO and out as dense views (no copies). The reverse initial send's
 landing comes after the sub-ring with rotation "kv" (the team's query side freed first):
 never at its peak. The forward call is one call's output and lse and the merge's float32 copy of that output
 (:func:`megatron_startrail.blocks.merge_lse_`): ``Eo (e + a) + 2 El a`` for ring attention,
@@ -208,16 +208,16 @@ def _kv_backward_terms(x: _Layer) -> dict[str, int]:
     regathered = (x.team_q + x.team_kv + (x.init * x.ekv * x.e if x.g == 1 else 0) if x.c > 1
                   else x.team_q + x.phases_1_2) if x.regathers else 0
     # One kernel call: ring attention's take a rank's n query rows against one chunk (n/2) of keys,
-    # a team's one chunk of queries against a member's n keys; its bf16 gradients and its dense
-    # copies of dO and out (the fixed side holds them side by side). The reverse initial send's
+    # a team's one chunk of queries against a member's n keys; its bf16 gradients (dO and out are
+    # gathered each into its own tensor: the call's rows are dense views of them). The reverse initial send's
     # landing comes after the sub-ring, once the team's query side is freed: never at the peak.
     q_part, k_part = (1, 1 / 2) if x.c == 1 else (1 / 2, 1)
-    return {"regathered": regathered, "team dO | out, lse": x.c * 2 * x.eo * x.e + (x.c * x.el * x.a if x.c > 1 else 0),
+    return {"regathered": regathered, "team dO, out, lse": (x.c * (2 * x.eo * x.e + x.el * x.a) if x.c > 1 else 0),
             "dQ": x.c * x.eq * x.a, "held K|V": x.held_copies * x.team_kv,
             # This step's dK|dV, the previous one's being sent and the one received; G = 1: the
             # step's, assembled from its C pieces, beside the one piece being computed.
             "dK|dV": 3 * x.c * x.ekv * x.a if x.g > 1 else (x.c + 1) * x.ekv * x.a,
-            "call: gradients, dO, out": int(((x.eq + 2 * x.eo) * q_part + x.ekv * k_part) * x.e),
+            "call: gradients": int((x.eq * q_part + x.ekv * k_part) * x.e),
             "call: workspace": backward_workspace_bytes(x.kernel, x.call(q_part, k_part))}
 
 
