@@ -17,11 +17,11 @@ import types
 import pytest
 import torch
 
+from benchmarks import ROOT
 from benchmarks.gpu import tables as gpu_tables
 from megatron_startrail.kernels import KernelRequest, choose_kernel, measured
 from megatron_startrail.layout import dense_sequence, documents_from_cu_seqlens, plan_calls, rows_of_cp_ranks
 
-ROOT = gpu_tables.ROOT
 FOLDERS = sorted(os.path.join(gpu_tables.GPU_RESULTS, d) for d in os.listdir(gpu_tables.GPU_RESULTS)
                  if os.path.isfile(os.path.join(gpu_tables.GPU_RESULTS, d, "accuracy.json")))
 ROWS = [row for folder in FOLDERS for row in json.load(open(os.path.join(folder, "accuracy.json")))]
