@@ -276,12 +276,13 @@ def _kernel_counting(counts: Counts, name: str):
 
     for method in saved:
         setattr(cls, method, inside(method))
-    attention_kernel_for = attention_module.kernel_for
-    attention_module.kernel_for = lambda *args, **kwargs: kernel
+    chosen = attention_module.choose_layer_kernel  # the layer's choice (the reference kernel), this adapter run
+    attention_module.choose_layer_kernel = lambda *args, **kwargs: dataclasses.replace(chosen(*args, **kwargs),
+                                                                                      kernel=kernel)
     try:
         yield
     finally:
-        attention_module.kernel_for = attention_kernel_for
+        attention_module.choose_layer_kernel = chosen
         for method, original in saved.items():
             if original is None:
                 delattr(cls, method)
