@@ -121,7 +121,8 @@ def layer_kernel(q, k, v, groups: StarTrailGroups, causal: bool, window, cu_seql
     cannot take q, k, v."""
     mask = "window" if window is not None else "causal" if causal else "none"
     # (anything but a [2] tensor counts as packed here: the agreement names what is wrong with it)
-    packed = cu_seqlens is not None and (cu_seqlens_padded is not None or tuple(getattr(cu_seqlens, "shape", ()))[:1] != (2,))
+    one_document = tuple(getattr(cu_seqlens, "shape", ()))[:1] == (2,)
+    packed = cu_seqlens is not None and (cu_seqlens_padded is not None or not one_document)
     return choose_layer_kernel(q, k, v, groups.kernel, groups.config.deterministic, mask=mask, packed=packed)
 
 
