@@ -44,7 +44,7 @@ from .documents import agree_on_documents
 from .backward import backward_kv, backward_q
 from .groups import StarTrailGroups
 from .halo import halo_attn, halo_plan
-from .kernels import check_kernel, kernel_for
+from .kernels import LayerKernel, choose_layer_kernel
 from .initial_send import PieceTransfer
 from .layout import normalize_window
 from .schedule import rotate
@@ -115,13 +115,18 @@ def _team_merge(comm, groups, partials: list[torch.Tensor], dtype, sink=None):
     return blocks.finished(out, lse, dtype, sink)  # [n, b, h, dv], [n, b, h]; the sinks after the last merge
 
 
-def layer_kernel(q, k, v, groups: StarTrailGroups, docs, causal: bool, window):
-    """The block kernel of one layer and micro-batch, for its class (kernels.measured): the
-    mask ("window" when ``window`` bounds anything, else "causal" or "none") and whether
-    ``docs`` packs documents. Host facts only: no sync."""
+def layer_kernel(q, k, v, groups: StarTrailGroups, causal: bool, window, cu_seqlens, cu_seqlens_padded) -> LayerKernel:
+    """The block kernel of one layer call, chosen once at the entry (before any communication)
+    for the layer's class (kernels.measured): the mask ("window" when ``window`` bounds
+    anything, else "causal" or "none") and whether the call packs documents (``cu_seqlens`` of
+    more than one document, or per-document padding: what the agreed documents will say).
+    Host facts only: no sync. ValueError naming ``--startrail-kernel`` when a forced kernel
+    cannot take q, k, v."""
     mask = "window" if window is not None else "causal" if causal else "none"
-    packed = len(docs.cu_seqlens) > 2 or docs.cu_seqlens_padded is not None
-    return kernel_for(q, k, v, groups.kernel, groups.config.deterministic, mask=mask, packed=packed)
+    # (anything but a [2] tensor counts as packed here: the agreement names what is wrong with it)
+    one_document = tuple(getattr(cu_seqlens, "shape", ()))[:1] == (2,)
+    packed = cu_seqlens is not None and (cu_seqlens_padded is not None or not one_document)
+    return choose_layer_kernel(q, k, v, groups.kernel, groups.config.deterministic, mask=mask, packed=packed)
 
 
 def regathers_for_free(groups: StarTrailGroups) -> bool:
@@ -145,10 +150,11 @@ class _StarTrailAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sink, groups: StarTrailGroups, docs, causal, scale, rotation, transfer, regather,
-                fwd_stats, bwd_stats, timeline, window, max_logit=False):
+                fwd_stats, bwd_stats, timeline, window, layer: LayerKernel, max_logit=False):
         # q [n, b, h, dqk], k [n, b, hkv, dqk], v [n, b, hkv, dv]; n = len(my chunks) * L;
-        # sink [h] or None (attention sinks of these heads, :mod:`.sinks`)
-        kernel = layer_kernel(q, k, v, groups, docs, causal, window)
+        # sink [h] or None (attention sinks of these heads, :mod:`.sinks`); ``layer``: the kernel
+        # chosen at the entry (startrail_attn), the one the forward's and backward's block steps call
+        kernel = layer.kernel
         comm = Communicator(fwd_stats, groups.transports_on(q.device)[0], timeline)
         q_team, kv_init = gather_team_and_send(comm, groups, q, k, v, gather_op="team_all_gather",
                                                 send_op="init_send")
@@ -189,7 +195,7 @@ class _StarTrailAttention(torch.autograd.Function):
         if ctx.needs_input_grad[3]:  # from out', lse' as saved (the last two), before the backward frees them
             dsink = sink_grad(dout, saved[-2], saved[-1], ctx.sink)
         dq, dk, dv = (backward_q if ctx.rotation == "q" else backward_kv)(ctx, dout, saved)
-        return (dq, dk, dv, dsink) + (None,) * 12
+        return (dq, dk, dv, dsink) + (None,) * 13
 
 
 def _window(window_size, causal: bool) -> tuple[int, int] | None:
@@ -232,7 +238,6 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Star
         )
     if kv_heads == 0 or heads % kv_heads != 0:
         raise ValueError(f"query heads ({heads}) must be a multiple of kv heads ({kv_heads})")
-    check_kernel(groups.kernel, q, k, v)  # a forced --startrail-kernel that cannot take these: ValueError
     u = groups.ulysses_size
     if u > 1:
         if heads % u != 0:
@@ -327,14 +332,18 @@ def startrail_attn(
         q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
     check_inputs(q, k, v, groups)
     check_sink(softmax_offset, q.shape[2], q.device)
+    window = _window(window_size, causal)
+    # The kernel, chosen once for this call and carried to the schedule: a forced --startrail-kernel
+    # that cannot take these inputs fails here, before any communication.
+    layer = layer_kernel(q, k, v, groups, causal, window, cu_seqlens, cu_seqlens_padded)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     stats = CommStats(), CommStats()  # forward, backward
     groups.last_forward_stats, groups.last_backward_stats = stats
     docs = agree_on_documents(cu_seqlens, cu_seqlens_padded, q.shape[0], q.shape[1], groups, stats[0], q.device,
                               cp_group)
-    out = _attend(q, k, v, softmax_offset, groups, docs, stats, timeline, causal=causal, scale=scale,
-                  transfer=transfer, regather=bool(regather_in_backward), window=_window(window_size, causal),
-                  halo=halo_exchange, max_logit=return_max_logit)
+    out = _attend(q, k, v, softmax_offset, groups, docs, stats, timeline, layer, causal=causal, scale=scale,
+                  transfer=transfer, regather=bool(regather_in_backward), window=window, halo=halo_exchange,
+                  max_logit=return_max_logit)
     out, best = out if return_max_logit else (out, None)
     out = out.squeeze(1) if thd else out
     return (out, best) if return_max_logit else out
@@ -360,16 +369,16 @@ def _backward_rotation(groups: StarTrailGroups, q, k, v) -> str:
     return choose_backward_rotation(shape, groups.ulysses_size, groups.team_size)
 
 
-def _attend(q, k, v, sink, groups, docs, stats, timeline, *, causal, scale, transfer, regather, window, halo,
-            max_logit=False):
+def _attend(q, k, v, sink, groups, docs, stats, timeline, layer: LayerKernel, *, causal, scale, transfer, regather,
+            window, halo, max_logit=False):
     """The halo exchange where every window reaches only the CP neighbours, else (around the
-    Ulysses all-to-alls) :class:`_StarTrailAttention`; ``[n, b, h, dv]``. ``sink [h]`` or None.
-    With ``max_logit``: ``(out, max_logit [h])`` (:func:`startrail_attn`)."""
+    Ulysses all-to-alls) :class:`_StarTrailAttention`; ``[n, b, h, dv]``. ``sink [h]`` or None;
+    ``layer``: the block kernel chosen at the entry. With ``max_logit``: ``(out, max_logit [h])``
+    (:func:`startrail_attn`)."""
     fwd_stats, bwd_stats = stats
     plan = halo_plan(docs, window, causal, groups.cp_rank) if window is not None and halo else None
     if plan is not None:  # exchange just the keys the windows reach
-        kernel = layer_kernel(q, k, v, groups, docs, causal, window)
-        return halo_attn(q, k, v, sink, groups, docs, plan, window, causal, scale, kernel, fwd_stats, bwd_stats,
+        return halo_attn(q, k, v, sink, groups, docs, plan, window, causal, scale, layer.kernel, fwd_stats, bwd_stats,
                          timeline, max_logit)
     rotation = _backward_rotation(groups, q, k, v)
     sink = local_sink(sink, q.shape[2], groups.ulysses_size, groups.ulysses_rank)  # this rank's heads after Ulysses
@@ -377,7 +386,7 @@ def _attend(q, k, v, sink, groups, docs, stats, timeline, *, causal, scale, tran
     if groups.ulysses_size > 1:
         q, k, v = gather_sequence(q, k, v, groups, fwd_stats, bwd_stats, timeline)
     out = _StarTrailAttention.apply(q, k, v, sink, groups, docs, causal, scale, rotation, transfer, regather,
-                                    fwd_stats, bwd_stats, timeline, window, max_logit)
+                                    fwd_stats, bwd_stats, timeline, window, layer, max_logit)
     out, best = out if max_logit else (out, None)
     if groups.ulysses_size > 1:
         out = scatter_sequence(out, groups, fwd_stats, bwd_stats, timeline)

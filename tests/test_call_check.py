@@ -18,6 +18,7 @@ call planned for 8 rows handed 6-row tensors ran and returned wrong gradients.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import re
 import types
@@ -126,12 +127,14 @@ def watched_kernel(monkeypatch, kernel_name: str):
 
 
 def _inject_kernel(monkeypatch, kernel_name, watch):
-    chosen = attention.kernel_for
+    """The layer's kernel (chosen once at the entry, kernels.choose_layer_kernel) watched."""
+    chosen = attention.choose_layer_kernel
 
-    def kernel_for(*args, **kwargs):
-        made = chosen(*args, **kwargs) if kernel_name in ("auto", "reference") else kernels.make_kernel(kernel_name)
-        return watch(made)
-    monkeypatch.setattr(attention, "kernel_for", kernel_for)
+    def choose(*args, **kwargs):
+        layer = chosen(*args, **kwargs)
+        made = layer.kernel if kernel_name in ("auto", "reference") else kernels.make_kernel(kernel_name)
+        return dataclasses.replace(layer, kernel=watch(made))
+    monkeypatch.setattr(attention, "choose_layer_kernel", choose)
 
 
 # (P, C, rotation, regather, head dims (q/k, v)): both rotations at every layout, MLA dims on

@@ -175,16 +175,18 @@ def test_the_attention_layer_asks_for_its_class(monkeypatch):
     from megatron_startrail import attention  # noqa: PLC0415
 
     asked = []
-    monkeypatch.setattr(attention, "kernel_for", lambda q, k, v, name, deterministic, **cls: asked.append(cls))
+    monkeypatch.setattr(attention, "choose_layer_kernel", lambda q, k, v, name, deterministic, **cls: asked.append(cls))
     groups = types.SimpleNamespace(kernel="auto", config=types.SimpleNamespace(deterministic=False))
     q = torch.empty(8, 2, 4, 16)  # [s, b, h, d]
-    dense, packed = dense_sequence(2, 8), documents_from_cu_seqlens((0, 5, 16), None, 2, 8)
-    for docs, causal, window in ((dense, True, None), (dense, False, None), (dense, True, (4, 0)),
-                                 (packed, True, None), (packed, False, (3, 3))):
-        attention.layer_kernel(q, q, q, groups, docs, causal, window)
+    one, two = torch.tensor([0, 16], dtype=torch.int32), torch.tensor([0, 5, 16], dtype=torch.int32)
+    for cu, padded, causal, window in ((None, None, True, None), (None, None, False, None), (None, None, True, (4, 0)),
+                                       (two, None, True, None), (two, None, False, (3, 3)), (one, None, True, None),
+                                       (one, one, True, None)):
+        attention.layer_kernel(q, q, q, groups, causal, window, cu, padded)
     assert asked == [dict(mask="causal", packed=False), dict(mask="none", packed=False),
                      dict(mask="window", packed=False), dict(mask="causal", packed=True),
-                     dict(mask="window", packed=True)]
+                     dict(mask="window", packed=True), dict(mask="causal", packed=False),
+                     dict(mask="causal", packed=True)]
     req = KernelRequest.of(q, q[:, :, :2], q, mask="window", packed=True, capability=(9, 0))
     assert (req.batch, req.gqa_ratio, req.mask, req.packed, req.capability) == (2, 2, "window", True, (9, 0))
     with pytest.raises(ValueError, match="mask='sliding'"):

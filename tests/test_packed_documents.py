@@ -7,6 +7,7 @@ give exactly 0 output and 0 gradients. Also: the planner against a brute-force m
 kernel calls follow the documents, and bad input raises on every rank.
 """
 
+import dataclasses
 import itertools
 import re
 
@@ -227,7 +228,8 @@ class CountingKernel:
 
 def counting_worker(rank, world_size, team_size):
     counter = CountingKernel(TorchCPUFlashKernel())
-    attention.kernel_for = lambda q, k, v, name="auto", deterministic=False, **layer_class: counter  # this forked rank only
+    chosen = attention.choose_layer_kernel  # the entry's choice, its kernel counted (this forked rank only)
+    attention.choose_layer_kernel = lambda *args, **kwargs: dataclasses.replace(chosen(*args, **kwargs), kernel=counter)
     groups = new_startrail_groups(team_size=team_size)
     total = 2 * world_size * CHUNK
     one_per_chunk = torch.arange(0, total + 1, CHUNK, dtype=torch.int32)

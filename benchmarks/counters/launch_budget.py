@@ -39,6 +39,7 @@ from megatron_startrail import nccl_rules
 from megatron_startrail import new_startrail_groups, startrail_attn
 from megatron_startrail.documents import agree_on_documents
 from megatron_startrail.comm import CommStats
+from megatron_startrail.kernels.padding import EqualHeadDimsKernel
 
 # Ops that allocate or re-describe memory without launching anything on a GPU.
 _NO_LAUNCH = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "detach", "lift_fresh",
@@ -292,32 +293,37 @@ def _kernel_counting(counts: Counts, name: str):
         return
     kernel = kernel_module.make_kernel(name)
     cls = type(kernel)
-    saved = {m: cls.__dict__.get(m) for m in ("forward", "backward")}
+    # The adapter's forward and backward; and the padded backward a backward_into falls back on
+    # (EqualHeadDimsKernel's own, past the entry's check), whose accumulator adds stay the
+    # schedule's, as when the schedule adds a call's gradients itself.
+    owners = [(cls, "forward"), (cls, "backward")]
+    if issubclass(cls, EqualHeadDimsKernel):
+        owners.append((EqualHeadDimsKernel, "backward"))
+    saved = [(owner, method, owner.__dict__.get(method), getattr(owner, method)) for owner, method in owners]
 
-    def inside(method):
-        original = getattr(cls, method)
-
+    def inside(original):
         def wrapped(self, *args, **kwargs):
-            counts.in_adapter = True
+            outer, counts.in_adapter = counts.in_adapter, True
             try:
                 return original(self, *args, **kwargs)
             finally:
-                counts.in_adapter = False
+                counts.in_adapter = outer
         return wrapped
 
-    for method in saved:
-        setattr(cls, method, inside(method))
-    attention_kernel_for = attention_module.kernel_for
-    attention_module.kernel_for = lambda *args, **kwargs: kernel
+    for owner, method, _, original in saved:
+        setattr(owner, method, inside(original))
+    chosen = attention_module.choose_layer_kernel  # the layer's choice (the reference kernel), this adapter run
+    attention_module.choose_layer_kernel = lambda *args, **kwargs: dataclasses.replace(chosen(*args, **kwargs),
+                                                                                      kernel=kernel)
     try:
         yield
     finally:
-        attention_module.kernel_for = attention_kernel_for
-        for method, original in saved.items():
-            if original is None:
-                delattr(cls, method)
+        attention_module.choose_layer_kernel = chosen
+        for owner, method, own, _ in reversed(saved):
+            if own is None:
+                delattr(owner, method)
             else:
-                setattr(cls, method, original)
+                setattr(owner, method, own)
 
 
 # -- the yardstick: a minimal zigzag ring, ring-flash-attention's structure ---------------------

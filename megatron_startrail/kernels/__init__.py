@@ -1,13 +1,15 @@
 """Block kernels behind one interface, and the choice of one for an attention call.
 
-:func:`kernel_for` is what the schedule calls: it probes which backends this device can
-use (:func:`usable_backends`, once per device: importable, fit for the device's capability,
-and the installed build's version and behaviour checked by :mod:`.builds`), applies the pure
-rules of :func:`~megatron_startrail.kernels.selection.choose_kernel` (on CUDA: the GPU's table
-of measured kernels, :mod:`.measured`, for the layer's class), and builds the kernel.
-:func:`check_kernel` runs the same rules without building anything; ``check_inputs``
-calls it so that a forced kernel that cannot take the inputs fails before any
-communication.
+:func:`choose_layer_kernel` is what the attention's entry calls, once per layer call: it
+probes which backends this device can use (:func:`usable_backends`, once per device:
+importable, fit for the device's capability, and the installed build's version and behaviour
+checked by :mod:`.builds`), applies the pure rules of
+:func:`~megatron_startrail.kernels.selection.choose_kernel` (on CUDA: the GPU's table of
+measured kernels, :mod:`.measured`, for the layer's class) and builds the kernel; the
+:class:`LayerKernel` it returns carries the choice to the schedule, which calls nothing else
+of this package on the way (a forced kernel that cannot take the inputs fails there, before
+any communication). :func:`kernel_for` (the kernel alone) and :func:`check_kernel` (the
+choice alone, nothing built) are the same rules for tools and tests.
 """
 
 from __future__ import annotations
@@ -165,17 +167,37 @@ def check_kernel(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
     return choose_kernel(request_for(q, k, v), name)
 
 
+@dataclass(frozen=True)
+class LayerKernel:
+    """The block kernel of one attention layer call, chosen once at its entry and carried to
+    the schedule: what it was chosen for, the choice (name and why) and the kernel object the
+    block steps call, forward and backward."""
+
+    request: KernelRequest
+    choice: KernelChoice
+    kernel: BlockKernel
+
+
+def choose_layer_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, name: str = "auto",
+                        deterministic: bool = False, *, mask: str = "causal", packed: bool = False) -> LayerKernel:
+    """The block kernel for these tensors (heads at dim -2, head dim last) in a layer of this
+    class (``mask``: "none", "causal" or "window"; ``packed``: documents), ``name`` forced or
+    "auto" (ValueError naming ``--startrail-kernel`` when a forced one cannot take them). Once
+    per layer call, at its entry: host facts only, no sync."""
+    request = request_for(q, k, v, mask=mask, packed=packed)
+    choice = _choose(request, name)
+    return LayerKernel(request, choice, make_kernel(choice.name, deterministic))
+
+
 def kernel_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, name: str = "auto",
                deterministic: bool = False, *, mask: str = "causal", packed: bool = False) -> BlockKernel:
-    """The block kernel for these tensors (heads at dim -2, head dim last) in a layer of this
-    class (``mask``: "none", "causal" or "window"; ``packed``: documents). Once per layer and
-    micro-batch, outside the block loop."""
-    return make_kernel(_choose(request_for(q, k, v, mask=mask, packed=packed), name).name, deterministic)
+    """:func:`choose_layer_kernel`'s kernel alone."""
+    return choose_layer_kernel(q, k, v, name, deterministic, mask=mask, packed=packed).kernel
 
 
 __all__ = [
-    "BACKENDS", "BlockKernel", "CudaDevice", "KERNELS", "RULES", "KernelChoice", "KernelRequest", "ReferenceKernel",
-    "assume_cuda_device", "cuda_device",
+    "BACKENDS", "BlockKernel", "CudaDevice", "KERNELS", "RULES", "KernelChoice", "KernelRequest", "LayerKernel",
+    "ReferenceKernel", "assume_cuda_device", "choose_layer_kernel", "cuda_device",
     "TorchCPUFlashKernel", "check_kernel", "choose_kernel", "kernel_constraint", "kernel_for", "make_kernel",
     "request_for", "usable_backends",
 ]

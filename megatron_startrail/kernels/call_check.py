@@ -74,10 +74,9 @@ def _tensor_problems(q, k, v, out, dout, lse, grads, tq: int, tk: int):
         yield f"call has {tq} query rows but lse is {_shape(lse)}, not [{b}, {h}, {tq}]"
     if lse is not None and lse.dtype != (torch.float64 if q.dtype == torch.float64 else torch.float32):
         yield f"lse is {lse.dtype}: the kernels' lse is float32 (float64 for float64 inputs)"
-    for name, grad, like in zip(("dq", "dk", "dv"), grads or (), ("q", "k", "v")):
-        t = {"q": q, "k": k, "v": v}[like]
+    for name, grad, t in zip(("dq", "dk", "dv"), grads or (), (q, k, v)):
         if grad.shape != t.shape:  # backward_into adds a launch's rows into them: any dtype and strides
-            yield f"{name} {_shape(grad)} must be {like}'s shape {_shape(t)} (the call's rows of its accumulator)"
+            yield f"{name} {_shape(grad)} must be {name[1:]}'s shape {_shape(t)} (the call's rows of the accumulator)"
 
 
 def check_call(kernel: str, call: KernelCall, q, k, v, out=None, dout=None, lse=None, grads=None) -> None:
@@ -114,6 +113,6 @@ class CheckedKernel:
         check_call(self.name, call, q, k, v, out, dout, lse)
         return super().backward(dout, q, k, v, out, lse, call, scale=scale)
 
-    def backward_into(self, grads, dout, q, k, v, out, lse, call, *, scale):
+    def backward_into(self, grads, dout, q, k, v, out, lse, call, *, scale, add=(True, True, True)):
         check_call(self.name, call, q, k, v, out, dout, lse, grads)
-        return super().backward_into(grads, dout, q, k, v, out, lse, call, scale=scale)
+        return super().backward_into(grads, dout, q, k, v, out, lse, call, scale=scale, add=add)

@@ -93,12 +93,13 @@ class _CudnnRagged:
                   for g in (dk, dv))
         return unfold_batch(dq, b), unfold_batch(dk, b), unfold_batch(dv, b)
 
-    def backward_into(self, grads, dout, q, k, v, out, lse, call, *, scale):
-        """Per-sequence launches add into ``grads`` themselves; the ragged op's gradients are added."""
+    def backward_into(self, grads, dout, q, k, v, out, lse, call, *, scale, add=(True, True, True)):
+        """Per-sequence launches write into ``grads`` themselves; the ragged op's gradients are
+        added (``add[i]`` False: copied, Note [fresh rows] in :mod:`megatron_startrail.blocks`)."""
         if not ragged_fits(call):
-            return super().backward_into(grads, dout, q, k, v, out, lse, call, scale=scale)
-        for acc, grad in zip(grads, _CudnnRagged.backward(self, dout, q, k, v, out, lse, call, scale=scale)):
-            acc.add_(grad)
+            return super().backward_into(grads, dout, q, k, v, out, lse, call, scale=scale, add=add)
+        for acc, grad, plus in zip(grads, _CudnnRagged.backward(self, dout, q, k, v, out, lse, call, scale=scale), add):
+            acc.add_(grad) if plus else acc.copy_(grad)
         return None
 
 
