@@ -22,7 +22,7 @@ import sys
 import pytest
 import torch
 
-from benchmarks.launch_budget import fake_rank
+from benchmarks.counters.launch_budget import fake_rank
 from megatron_startrail import blocks, new_startrail_groups, startrail_attn
 from megatron_startrail.kernels import selection
 
