@@ -55,6 +55,7 @@ import functools
 import importlib.util
 import os
 import sys
+import types
 
 from megatron_startrail.megatron.rank_output import (
     bad_flags_reported_once,
@@ -100,11 +101,15 @@ from megatron.training.argument_utils import (  # noqa: E402
     core_transformer_config_from_args,
     pretrain_cfg_container_from_args,
 )
-from megatron.training.arguments import parse_args, validate_args  # noqa: E402
+from megatron.training.arguments import parse_args  # noqa: E402
 from megatron.training.global_vars import set_global_variables  # noqa: E402
 from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage  # noqa: E402
 
-from megatron_startrail.megatron.arguments import add_startrail_args, validate_startrail_args  # noqa: E402
+from megatron_startrail.megatron.arguments import (  # noqa: E402
+    add_startrail_args,
+    validate_megatron_args,
+    validate_startrail_args,
+)
 from megatron_startrail.megatron.core_attention import LocalMLACoreAttention  # noqa: E402
 from megatron_startrail.megatron.dynamic_cp import log_dynamic_cp_schedule  # noqa: E402
 from megatron_startrail.megatron.from_args import (  # noqa: E402
@@ -231,7 +236,7 @@ def parse_arguments():
     if args.context_parallel_algo != "megatron" and not args.reset_attention_mask:
         # StarTrail applies the causal (or per-document) mask itself: no [s, s] mask per sample.
         args.create_attention_mask_in_dataloader = False
-    validate_args(args, {})
+    validate_megatron_args(args)  # (--qk-clip, --log-max-attention-logit: StarTrail reports the max logits)
     validate_startrail_args(args)
     validate_example_args(args)
     set_global_variables(args)
@@ -520,8 +525,27 @@ def parse_command_line(argv=None):
     return parse_arguments()
 
 
+def clip_qk_reaches_fp32_models() -> None:
+    """megatron-core 0.19.2's ``clip_qk`` (run by train_step for --qk-clip and
+    --log-max-attention-logit) walks ``chunk.module.module.decoder``: DDP around Float16Module
+    around the GPT. An fp32 model (no --bf16 / --fp16: the CPU runs) has no Float16Module, one
+    ``.module`` less; each such chunk is handed to it with that level added, nothing else changed."""
+    from megatron.training import training  # noqa: PLC0415
+
+    clip_qk = training.clip_qk
+
+    def clip_qk_any_precision(model, *args, **kwargs):
+        chunks = [c if hasattr(c.module, "module") else types.SimpleNamespace(module=types.SimpleNamespace(
+            module=c.module)) for c in model]
+        return clip_qk(chunks, *args, **kwargs)
+
+    training.clip_qk = clip_qk_any_precision
+
+
 def train(args) -> None:
     initialize_parallel(args)
+    if (args.qk_clip or args.log_max_attention_logit) and not (args.fp16 or args.bf16):
+        clip_qk_reaches_fp32_models()
     _use_prebuilt_dataset_helpers()
     log_tokens_per_second(args.seq_length)
     if args.hybrid_context_parallel and args.context_parallel_algo != "megatron":

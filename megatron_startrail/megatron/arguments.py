@@ -4,6 +4,7 @@ An unmodified Megatron accepts them::
 
     from megatron.training.arguments import parse_args
     args = parse_args(extra_args_provider=add_startrail_args)
+    validate_megatron_args(args)           # Megatron's validate_args (QK-clip: see there)
     validate_startrail_args(args)          # after Megatron's own validate_args
 
 ``--context-parallel-algo megatron`` (the default) leaves Megatron's own context
@@ -131,6 +132,38 @@ def _resolve_tasp(args, algo: str) -> None:
             f"(got {args.startrail_team_size}); for larger teams use --context-parallel-algo startrail"
         )
     args.startrail_team_size, args.startrail_transfer = 1, "multiring"
+
+
+def validate_megatron_args(args, defaults=None, *, startrail_attention: bool | None = None):
+    """Megatron's ``validate_args``, except its Transformer Engine >= 2.9 requirement for
+    ``--qk-clip`` and ``--log-max-attention-logit`` when StarTrail's core attention is the
+    model's (``startrail_attention``, by default ``--context-parallel-algo`` other than megatron).
+
+    Megatron asks for TE because only TE's attention reports ``current_max_attn_logits``;
+    StarTrail's core attention reports them itself (core_attention.py, max_logit.py), so
+    the requirement does not apply to it. Megatron's other checks of those flags are made
+    here (as ValueErrors naming the flag); every other spec keeps Megatron's behaviour.
+    """
+    from megatron.training.arguments import validate_args  # noqa: PLC0415  (megatron.training only here)
+
+    if startrail_attention is None:
+        startrail_attention = args.context_parallel_algo != "megatron"
+    flags = ("qk_clip", "log_max_attention_logit")
+    asked = {f: getattr(args, f, False) for f in flags}
+    if not (startrail_attention and any(asked.values())):
+        return validate_args(args, defaults or {})
+    if asked["qk_clip"]:
+        if not 0.0 < args.qk_clip_alpha < 1.0:
+            raise ValueError(f"--qk-clip-alpha {args.qk_clip_alpha} must be between 0.0 and 1.0 with --qk-clip")
+        if not args.qk_clip_threshold > 0:
+            raise ValueError(f"--qk-clip-threshold {args.qk_clip_threshold} must be greater than 0 with --qk-clip")
+    for f in flags:  # hidden from Megatron's check (its only use there), restored after
+        setattr(args, f, False)
+    try:
+        return validate_args(args, defaults or {})
+    finally:
+        for f, value in asked.items():
+            setattr(args, f, value)
 
 
 def validate_startrail_args(args) -> None:

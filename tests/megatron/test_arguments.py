@@ -252,3 +252,34 @@ def test_refusals_name_what_to_do_instead(attribute, value, alternative):
     message = str(refused.value)
     assert alternative in message, message
     assert ("replays fixed launches" in message) if "cuda_graph" in attribute else ("no FP8 attention kernel" in message)
+
+
+def test_qk_clip_and_the_max_logit_log_need_no_transformer_engine_with_startrail_attention(monkeypatch):
+    """Megatron asks for TE >= 2.9 for --qk-clip / --log-max-attention-logit (only TE's attention
+    reports max logits); StarTrail's core attention reports them, so validate_megatron_args hides
+    those two flags from Megatron's validate_args (here a recorder of what it is handed: its
+    CPU run needs the example's setup) for StarTrail attention only (CP4, or CP = 1 with
+    StarTrail's spec), restores them, and makes Megatron's other checks of them itself. (The
+    values themselves: tests/megatron/test_qk_clip.py, CP4 C2 against CP = 1.)"""
+    from megatron.training import arguments as megatron_arguments  # noqa: PLC0415
+
+    from megatron_startrail.megatron.arguments import validate_megatron_args  # noqa: PLC0415
+
+    seen = []
+    monkeypatch.setattr(megatron_arguments, "validate_args",
+                        lambda args, defaults: seen.append((args.qk_clip, args.log_max_attention_logit)))
+    startrail = ("--context-parallel-size", "4", "--context-parallel-algo", "startrail", "--startrail-team-size", "2")
+    for flags in (["--qk-clip"], ["--log-max-attention-logit"], ["--qk-clip", "--log-max-attention-logit"]):
+        args = parse(monkeypatch, *startrail, *flags)
+        validate_megatron_args(args)
+        asked = ("--qk-clip" in flags, "--log-max-attention-logit" in flags)
+        assert seen.pop() == (False, False) and (args.qk_clip, args.log_max_attention_logit) == asked
+        validate_startrail_args(args)
+    validate_megatron_args(parse(monkeypatch, "--qk-clip"), startrail_attention=True)  # the CP = 1 reference
+    assert seen.pop() == (False, False)
+    validate_megatron_args(parse(monkeypatch, "--qk-clip"))  # Megatron's own attention: Megatron's check
+    assert seen.pop() == (True, False)
+    for flags, message in ((["--qk-clip-alpha", "1.5"], "--qk-clip-alpha 1.5 must be between"),
+                           (["--qk-clip-threshold", "0"], "--qk-clip-threshold 0.0 must be greater than 0")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            validate_megatron_args(parse(monkeypatch, *startrail, "--qk-clip", *flags))
