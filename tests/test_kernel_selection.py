@@ -45,6 +45,7 @@ from tests import flash_attn_fakes
 from tests.attention_cases import TOLERANCE, reference_with_grads, relative_error
 from tests.multiproc import run_ranks
 from tests.test_kernels_and_merge import float64_call
+from tests.test_kernel_contracts import CUDA_ADAPTERS, adapter_id
 
 ALL = frozenset(BACKENDS)
 TORCH_ONLY = frozenset({"torch_flash", "torch_efficient", "torch_cudnn"})
@@ -571,8 +572,7 @@ class _EmulatedAtenOps:
         return tuple(x.squeeze(1) for x in g)
 
 
-@pytest.mark.parametrize("kernel", [TorchCUDAFlashKernel(), TorchCUDAEfficientKernel(), TorchCUDACudnnKernel(),
-                                    TorchCUDACudnnVarlenKernel()], ids=lambda k: k.name)
+@pytest.mark.parametrize("kernel", CUDA_ADAPTERS, ids=adapter_id)
 @pytest.mark.parametrize("dqk, dv", [(24, 16), (20, 20), (12, 20)])
 @pytest.mark.parametrize("window", [(-1, 0), (-1, -1), (5, 0), (0, -1)], ids=str)
 def test_cuda_adapters_against_emulated_ops(monkeypatch, kernel, dqk, dv, window):

@@ -139,7 +139,7 @@ def sync_table(rows: list[dict]) -> list[str]:
 
 
 def gpt_table(rows: list[dict]) -> list[str]:
-    out = ["| CP | C | tokens | params | kernel | transport | allocated at start GiB | step s | peak GiB | "
+    out = ["| CP | C | tokens | params | kernel | transport | allocated at start GiB | step s | peak above start GiB | "
            "rehearsal peak GiB | peak / rehearsal |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     return out + [f"| {r['cp']} | {r['team']} | {r['seq_length']} | {r['params']} | {', '.join(r['kernels'])} | "

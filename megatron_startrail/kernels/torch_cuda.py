@@ -152,13 +152,29 @@ def _last_dense(x):
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _dense(x) -> bool:
+    """Whether ``x``'s elements fill its storage span without gaps or overlap (any order of dims)."""
+    dims = sorted((st, n) for n, st in zip(x.shape, x.stride()) if n > 1)
+    span = 1
+    for st, n in dims:
+        if st != span:
+            return False
+        span *= n
+    return True
+
+
 def _out_like(dout, out):
-    """``(dout, out)`` laid out alike, what cuDNN's backward wants (it copies dO otherwise): as they
-    are when they already are (the schedule's out and dO are both ``[s, b, h, dv]`` storage), else
-    both made contiguous ``[B, h, s, dv]``."""
+    """``(dout, out)`` laid out alike, what cuDNN's backward wants: as they are when they already
+    are (the schedule's out and dO are both ``[s, b, h, dv]`` storage), else dO copied into out's
+    layout (out as the forward made it). Not both made contiguous ``[B, h, s, dv]``: with q in
+    another layout, that gave GQA wrong dQ, dK, dV (errors 1.3-3.1) on the H200 on 2026-11-28
+    (``benchmarks/results/gpu/h200-2026-11-28/``: batch 2, fused-QKV views, every mask; the rows
+    whose dO already had out's layout passed)."""
     same = all(x == y for n, x, y in zip(out.shape, out.stride(), dout.stride()) if n > 1)
     if same and out.stride(-1) == 1:
         return dout, out
+    if out.stride(-1) == 1 and _dense(out):
+        return torch.empty_like(out).copy_(dout), out  # empty_like keeps a dense tensor's strides
     return dout.contiguous(), out.contiguous()
 
 
