@@ -126,7 +126,7 @@ _EFFICIENT_UNMEASURED = (
 _CUDNN_VARLEN = ClassRule(
     "torch_cuda_cudnn_varlen", HALF, ANY, ANY, ANY, ANY,
     "torch_cuda_cudnn_varlen: cuDNN's ragged op (packed documents in one launch) gave wrong dQ and dK on the H200 "
-    "(benchmarks/results/gpu/h200-2026-11-28/), so it is off and the kernel runs per-sequence cuDNN launches, "
+    "(benchmarks/results/gpu/h200-2026-11-28/README.md), so it is off and the kernel runs per-sequence cuDNN launches, "
     "1.62 ms against torch_cuda_flash's 1.52 on 4 documents in 8192 tokens there; it enters auto for packed "
     "layers when a committed GPU table shows it PASS and faster than torch_cuda_flash; "
     "--startrail-kernel torch_cuda_cudnn_varlen forces it")
