@@ -166,8 +166,9 @@ def _dense(x) -> bool:
 def _out_like(dout, out):
     """``(dout, out)`` laid out alike, what cuDNN's backward wants: as they are when they already
     are (the schedule's out and dO are both ``[s, b, h, dv]`` storage), else dO copied into out's
-    layout (out as the forward made it). Not both made contiguous ``[B, h, s, dv]``: with q in
-    another layout, that gave GQA wrong dQ, dK, dV (errors 1.3-3.1) on the H200 on 2026-11-28
+    layout (out as the forward made it, in q's dim order); None where out is not dense. Not
+    both made contiguous ``[B, h, s, dv]``: with q in another order, that gave GQA wrong dQ, dK,
+    dV (errors 1.3-3.1) on the H200 on 2026-11-28
     (``benchmarks/results/gpu/h200-2026-11-28/``: batch 2, fused-QKV views, every mask; the rows
     whose dO already had out's layout passed)."""
     same = all(x == y for n, x, y in zip(out.shape, out.stride(), dout.stride()) if n > 1)
@@ -175,7 +176,7 @@ def _out_like(dout, out):
         return dout, out
     if out.stride(-1) == 1 and _dense(out):
         return torch.empty_like(out).copy_(dout), out  # empty_like keeps a dense tensor's strides
-    return dout.contiguous(), out.contiguous()
+    return None  # out laid out as no forward gives it: the caller makes everything contiguous
 
 
 class TorchCUDACudnnKernel(CheckedKernel, EqualHeadDimsKernel, PerSequenceKernel):
@@ -202,7 +203,11 @@ class TorchCUDACudnnKernel(CheckedKernel, EqualHeadDimsKernel, PerSequenceKernel
 
     def _attend_backward(self, dout, q, k, v, out, lse, *, causal, mask, scale):
         h, hkv = q.shape[1], k.shape[1]
-        dout, out = _out_like(dout, out)
+        alike = _out_like(dout, out)
+        if alike is None:  # q, k, v, out and dO all contiguous [B, h, s, d]: one order, as the H100 passed
+            q, k, v, dout, out = (x.contiguous() for x in (q, k, v, dout, out))
+        else:
+            dout, out = alike
         dq, dk, dv = _aten._scaled_dot_product_cudnn_attention_backward(
             dout, _last_dense(q), _last_dense(expand_kv_heads(k, h)), _last_dense(expand_kv_heads(v, h)), out,
             lse.unsqueeze(-1).contiguous(), _no_rng(q.device), _no_rng(q.device), _bias(mask, q), None, None,

@@ -227,11 +227,20 @@ def cudnn_forward(a, known) -> None:
     _cudnn_common("aten._scaled_dot_product_cudnn_attention", a)
 
 
+def _dim_order(t) -> tuple[int, ...]:
+    """``t``'s dims from the outermost in memory to the innermost (dims of size 1 left out)."""
+    return tuple(sorted((i for i in range(t.dim()) if t.shape[i] > 1), key=lambda i: -t.stride(i)))
+
+
 def cudnn_backward(a, known) -> None:
     op = "aten._scaled_dot_product_cudnn_attention_backward"
     _cudnn_common(op, a)
     q, k, out, dout, lse = a["query"], a["key"], a["out"], a["grad_out"], a["logsumexp"]
     _out_and_grad(op, out, dout, q.shape, q.dtype)
+    # The forward gives out q's dim order; on the H200 (2026-11-28, cuDNN 9.19) out and dO made
+    # contiguous [B, h, s, d] with q in [s, b, h, d] order gave GQA wrong dQ, dK, dV.
+    _need(_dim_order(out) == _dim_order(q), op, f"out strides {out.stride()} must keep q's dim order "
+          f"(q strides {q.stride()}), as the forward returned it")
     _need(lse.dtype == torch.float32 and tuple(lse.shape) == (*q.shape[:3], 1), op, f"logsumexp "
           f"{list(lse.shape)}: [{', '.join(map(str, q.shape[:3]))}, 1] float32, as the forward returned it")
     _need((a["max_q"], a["max_k"]) == (q.shape[2], k.shape[2]), op, f"max_q, max_k {a['max_q']}, {a['max_k']} "
