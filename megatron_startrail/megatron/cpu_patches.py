@@ -257,8 +257,8 @@ def _share_storage_by_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 def _patch_share_storage() -> None:
-    """``CheckpointWithoutOutput._recompute`` (``--recompute-modules layernorm`` / ``mlp`` /
-    ``moe_act``) hands the recomputed outputs back through ``_get_share_storage()``, a C++
+    """``CheckpointWithoutOutput._recompute`` (``--recompute-modules layernorm``, ``moe_act``,
+    ``mla_up_proj``) hands the recomputed outputs back through ``_get_share_storage()``, a C++
     extension that megatron-core 0.19 compiles with ``load_inline`` at the first backward that
     needs it: a compiler, minutes of a 2-core CPU, and torch's build lock in
     ``~/.cache/torch_extensions``. A rank killed mid-build (a test's timeout) leaves that lock

@@ -172,7 +172,7 @@ def checkpoint_without_output_worker(rank, world_size):
 def test_checkpoint_without_output_recomputes_without_compiling_anything():
     # Before: megatron-core's recomputation compiled a C++ extension (load_inline) at the first
     # backward; a rank killed mid-build left torch's lock in ~/.cache/torch_extensions, and every
-    # later run with --recompute-modules layernorm / mlp / moe_act waited on it for ever.
+    # later run with --recompute-modules layernorm / moe_act waited on it for ever.
     ((freed, restored, x, w, weight, bias, grad_z, grad_x, grad_weight),) = run_ranks(
         checkpoint_without_output_worker, 1, timeout=60)
     assert freed == 0 and restored == 6 * 2 * 8 * 4  # freed after the forward, refilled by the recomputation
