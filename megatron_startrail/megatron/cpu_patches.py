@@ -245,6 +245,31 @@ def _patch_checkpoint_without_output() -> None:
     mrandom.CheckpointWithoutOutput.__init__ = __init__
 
 
+def _share_storage_by_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Put ``src``'s bytes back into ``dst``'s storage, which ``discard_output_and_register_recompute``
+    resized to 0 bytes: every view of that storage (what the following layers saved for their
+    backward) reads the recomputed values. A copy, where megatron-core's extension makes the
+    storage point at ``src``'s memory; the storage object, its views and version counters are
+    the same ones, and its size is ``src``'s storage's (the same layout, as the extension assumes)."""
+    with torch.no_grad():
+        dst.untyped_storage().resize_(src.untyped_storage().nbytes())
+        dst.untyped_storage().copy_(src.untyped_storage())
+
+
+def _patch_share_storage() -> None:
+    """``CheckpointWithoutOutput._recompute`` (``--recompute-modules layernorm``, ``moe_act``,
+    ``mla_up_proj``) hands the recomputed outputs back through ``_get_share_storage()``, a C++
+    extension that megatron-core 0.19 compiles with ``load_inline`` at the first backward that
+    needs it: a compiler, minutes of a 2-core CPU, and torch's build lock in
+    ``~/.cache/torch_extensions``. A rank killed mid-build (a test's timeout) leaves that lock
+    file behind, and every later run in that home directory waits on it for ever, at any CP
+    size, with no error. On the CPU the same outputs come back by a copy, nothing compiled."""
+    from megatron.core.tensor_parallel import random as mrandom  # noqa: PLC0415
+
+    if hasattr(mrandom, "_get_share_storage"):  # megatron-core 0.19 (not in every version)
+        mrandom._get_share_storage = lambda: _share_storage_by_copy
+
+
 def _patch_grad_clipping() -> None:
     """Megatron's clipping asserts ``torch.cuda.FloatTensor`` grads; same math on the CPU."""
     from megatron.core.optimizer import optimizer as moptimizer  # noqa: PLC0415
@@ -443,6 +468,7 @@ def apply(cuda_tensors_to_cpu: bool = True) -> None:
     _patch_rng_tracker()
     _patch_grad_clipping()
     _patch_checkpoint_without_output()
+    _patch_share_storage()
     _patch_norm_for_sequence_parallel()
     _patch_moe_split_sizes()
     _patch_uneven_sequence_parallel_collectives()

@@ -141,6 +141,48 @@ def test_the_cuda_mode_holds_in_a_backward_started_inside_a_backward():
     assert torch.allclose(grad.double(), 6 * x.double(), rtol=1e-6)
 
 
+def checkpoint_without_output_worker(rank, world_size):
+    """Megatron's ``--recompute-modules layernorm``: the norm runs under CheckpointWithoutOutput,
+    the next layer saves a strided view of its output ([s, b, h] -> [b, s, h]), the output's
+    storage is freed, and the norm is recomputed in the backward. Any C++ compile fails it."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    Utils.initialize_model_parallel(seed=1234)
+
+    def no_compiler(*args, **kwargs):
+        raise AssertionError("a C++ extension compiled at run time (torch.utils.cpp_extension.load_inline)")
+
+    mrandom.load_inline = no_compiler
+    gen = torch.Generator().manual_seed(5)
+    x, w, weight, bias, grad_z = (torch.randn(*shape, generator=gen) for shape in ((6, 2, 8), (8, 4), (8,), (8,),
+                                                                                   (2, 6, 4)))
+    x.requires_grad_(True)
+    norm = torch.nn.LayerNorm(8)
+    with torch.no_grad():
+        norm.weight.copy_(weight), norm.bias.copy_(bias)
+    checkpoint = mrandom.CheckpointWithoutOutput()
+    y = checkpoint.checkpoint(norm, x)  # [s, b, h]
+    z = y.transpose(0, 1) @ w  # [b, s, 4]: the matmul keeps the transposed view of y
+    checkpoint.discard_output_and_register_recompute(z)
+    freed = y.untyped_storage().nbytes()
+    z.backward(grad_z)
+    return freed, y.untyped_storage().nbytes(), x.detach(), w, weight, bias, grad_z, x.grad, norm.weight.grad
+
+
+def test_checkpoint_without_output_recomputes_without_compiling_anything():
+    # Before: megatron-core's recomputation compiled a C++ extension (load_inline) at the first
+    # backward; a rank killed mid-build left torch's lock in ~/.cache/torch_extensions, and every
+    # later run with --recompute-modules layernorm / moe_act waited on it for ever.
+    ((freed, restored, x, w, weight, bias, grad_z, grad_x, grad_weight),) = run_ranks(
+        checkpoint_without_output_worker, 1, timeout=60)
+    assert freed == 0 and restored == 6 * 2 * 8 * 4  # freed after the forward, refilled by the recomputation
+    x64, weight64 = x.double().requires_grad_(True), weight.double().requires_grad_(True)
+    y64 = torch.nn.functional.layer_norm(x64, (8,), weight64, bias.double())
+    (y64.transpose(0, 1) @ w.double()).backward(grad_z.double())
+    assert torch.allclose(grad_x.double(), x64.grad, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(grad_weight.double(), weight64.grad, rtol=1e-5, atol=1e-5)
+
+
 def uneven_collectives_worker(rank, world_size, sizes):
     import torch.distributed as dist
     from megatron.core.tensor_parallel import mappings
