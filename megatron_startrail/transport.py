@@ -136,6 +136,18 @@ class GlooTransport(Transport):
         main, twin = self._main_and_twin()
         return twin if twin is not None and dst < src else main
 
+    # A peer that raised or died, or one stuck past the group's timeout, surfaces on this rank as
+    # gloo's RuntimeError, which names neither the operation nor the schedule; and it surfaces
+    # where this rank next touches that peer's connection: in a wait, or already in posting a
+    # send once gloo has seen the connection close (``isend`` raises then; which of the two a
+    # rank meets depends on timing). Both say which StarTrail operation it was, so that every
+    # rank's report reads the same way whichever it met.
+    def post(self, sends, recvs, *, channel, label):
+        try:
+            return super().post(sends, recvs, channel=channel, label=label)
+        except RuntimeError as error:
+            raise _peer_failed(label, "posting a transfer", error) from error
+
     def wait(self, works, timeline=None, label=""):
         if not works:
             return
@@ -143,12 +155,16 @@ class GlooTransport(Transport):
         try:
             for w in works:
                 w.wait()  # gloo: blocks the host until done
-        except RuntimeError as error:  # a peer died, raised, or is stuck past the group's timeout
-            # gloo's message names neither the operation nor the schedule: say which wait it was.
-            raise RuntimeError(f"StarTrail {label or 'communication'} failed on this rank, waiting for a peer "
-                               f"(a peer that raised or died, or the process group's timeout): {error}") from error
+        except RuntimeError as error:
+            raise _peer_failed(label, "waiting for a peer", error) from error
         if timeline is not None:
             timeline.add(label, start, time.perf_counter())
+
+
+def _peer_failed(label: str, doing: str, error: RuntimeError) -> RuntimeError:
+    """gloo's ``error`` in StarTrail operation ``label``, met while ``doing`` (see GlooTransport)."""
+    return RuntimeError(f"StarTrail {label or 'communication'} failed on this rank, {doing} (a peer that raised "
+                        f"or died, or the process group's timeout): {error}")
 
 
 class NcclTransport(Transport):

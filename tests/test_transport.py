@@ -99,3 +99,30 @@ def test_the_attention_takes_the_transport_of_its_tensors_device(monkeypatch):
             startrail_attn(q, k, v, dataclasses.replace(groups, device_transports={"cuda": (nccl, nccl_cp)}))
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("gloo_says", [
+    "[pair.cc:537] Read error [127.0.0.1]:15763: Connection reset by peer",  # the peer's process gone: a failed read
+    "[pair.cc:553] Connection closed by peer [127.0.0.1]:53479",  # or end-of-file, by timing
+])
+def test_gloo_errors_name_the_operation_whether_met_posting_or_waiting(monkeypatch, gloo_says):
+    # A peer that is gone surfaces where this rank next touches its connection: in a wait, or
+    # already in isend once gloo has seen the connection close (test_compile's failure case met
+    # both on a loaded machine). Either way the error names the StarTrail operation.
+    gloo = transport_of(monkeypatch, "gloo", "cpu")
+
+    def gloo_raises(*args, **kwargs):
+        raise RuntimeError(gloo_says)
+
+    class Work:
+        wait = staticmethod(gloo_raises)
+
+    monkeypatch.setattr(dist, "P2POp", lambda *args, **kwargs: args)  # no process group here
+    monkeypatch.setattr(dist, "batch_isend_irecv", gloo_raises)
+    with pytest.raises(RuntimeError, match=r"^StarTrail init_send failed on this rank, posting a transfer \(a peer "
+                       r"that raised or died, or the process group's timeout\): ") as posting:
+        gloo.post([(torch.ones(2), 1)], [], channel="side", label="init_send")
+    with pytest.raises(RuntimeError, match=r"^StarTrail team_merge failed on this rank, waiting for a peer ") as waiting:
+        gloo.wait([Work()], label="team_merge")
+    for raised in (posting, waiting):
+        assert str(raised.value).endswith(gloo_says) and str(raised.value.__cause__) == gloo_says
