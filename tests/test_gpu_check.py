@@ -205,7 +205,8 @@ def test_a_dead_part_keeps_its_rows_and_the_others_run(tmp_path):
     an item that raises is its error; the later parts run; the tables are written after each."""
     written = []
     parts = [Part("dies", "tests.gpu_check_faults:faulty_part", {"fault": "die", "at": 1, "count": 3}, 60),
-             Part("hangs", "tests.gpu_check_faults:faulty_part", {"fault": "hang", "at": 1, "count": 3}, 8),
+             # 4 s: a Python start-up without torch (tests/gpu_check_faults.py) and item 0, then the hang
+             Part("hangs", "tests.gpu_check_faults:faulty_part", {"fault": "hang", "at": 1, "count": 3}, 4),
              Part("loses", "tests.gpu_check_faults:faulty_part", {"fault": "lose", "at": 0, "count": 2}, 60),
              Part("raises", "tests.gpu_check_faults:raising_part", {"count": 3}, 60)]
     results = run_parts(parts, tmp_path / "log", 120, lambda r: written.append({n: p.status for n, p in r.items()}))
