@@ -186,9 +186,11 @@ def _selfcheck(tmp_path, *extra):
 
 
 def test_selfcheck_fails_when_its_timing_part_is_handed_permuted_tensors(monkeypatch, tmp_path):
-    """The whole CPU self-check (each part in its process), its timing part's kernel handed SDPA's
-    permuted views as 9ee7a82's did: it fails, naming the part; the accuracy rows stay."""
+    """The CPU self-check's accuracy and timing parts (each in its process; the rank part skipped,
+    the transport part left to test_cpu_selfcheck_runs_every_part), its timing part's kernel handed
+    SDPA's permuted views as 9ee7a82's did: it fails, naming the part; the accuracy rows stay."""
     monkeypatch.setitem(gpu_check.FUNCTIONS, "timing", "tests.gpu_check_faults:permuted_timing_part")
+    monkeypatch.setattr(gpu_check, "PARTS", ("accuracy", "timing", "rank"))  # a process less: no transport
     status, text, _ = _selfcheck(tmp_path, "--skip-rank", "--dtypes", "fp32", "--kernels", "torch_cpu_flash",
                                  "--dims", "16/16")
     assert status == 1 and "## Errors" in text
