@@ -344,7 +344,22 @@ def _draw_wrappers(d: Draw, seed: int, index: int, hybrid: bool) -> Draw:
     d.saved_tensor_hooks = _pick(rng, *(["none"] * 6), "save_on_cpu", "pack_clone")
     if d.saved_tensor_hooks != "none":
         d.features.append(f"saved-tensor hooks {d.saved_tensor_hooks}")
+    d.skip_reason = d.skip_reason or _fsdp_without_twin(d.shared)
     return d
+
+
+def _fsdp_without_twin(shared: list[str]) -> str | None:
+    """Sharded runs that differ from DDP without StarTrail (DP2 at CP = 1, Megatron's own
+    attention, gloo): the CP = 1 reference (one rank, nothing sharded) is no twin of them."""
+    if "--use-torch-fsdp2" in shared and "--mtp-num-layers" in shared:
+        return "FSDP2 with MTP: sharded, its first-step gradients differ from DDP at DP2, CP = 1 (no StarTrail)"
+    if "--use-megatron-fsdp" in shared and "--mtp-use-repeated-layer" in shared:
+        return ("Megatron-FSDP with --mtp-use-repeated-layer: sharded, the repeated layer's gradients differ from "
+                "DDP at DP2, CP = 1 (no StarTrail)")
+    if "--use-megatron-fsdp" in shared and "--qk-clip" in shared:
+        return ("Megatron-FSDP with --qk-clip: clip_qk on sharded weights, the max logit after step 1 differs from "
+                "DDP at DP2, CP = 1 (no StarTrail); optim_grads fails at CP = 1 (torch.Tensor mixed with DTensor)")
+    return None
 
 
 # --- one rank of one run --------------------------------------------------------------------
