@@ -26,7 +26,11 @@ refuses), MLA, MoE with EP2 at TP 1 and at TP 2 with sequence parallelism; QK-la
 SwiGLU, RMSNorm, untied embeddings, linear biases off, gradient accumulation; team sizes
 1/2/4/auto, Ulysses, both backward rotations, regathering, hybrid (dynamic) CP; Megatron-FSDP
 (optim_grads_params, optim_grads) and torch FSDP2 at TP1 x PP1 (``_draw_fsdp``; never with the
-resume protocol). Call
+resume protocol); from a stream of their own (``_draw_wrappers``): ``--qk-clip`` (TP 1, a
+threshold that fires in step 1) or ``--log-max-attention-logit``, each step's logged max logit
+compared with a CP = 1 run with StarTrail's attention; every layer in torch's checkpoint
+(non-reentrant, reentrant); every training step inside saved-tensor hooks (``save_on_cpu``, a
+pack/unpack pair of its own): tests/megatron/example_hooks.py. Call
 protocols (``PROTOCOLS``): plain, evaluation passes, a forward-only pass of Megatron's schedule
 in train mode before every step, an abandoned forward before every step, save at iteration 2
 and resume, and a second model in the same processes running a forward before every step.
@@ -82,6 +86,9 @@ class Draw:
     reference_ranks: int
     protocol: str
     skip_reason: str | None = None  # set when the CP = 1 reference has no twin of this run
+    wrap: str = "none"  # every layer in torch's checkpoint (tests/megatron/example_hooks.WRAPS)
+    saved_tensor_hooks: str = "none"  # every step inside saved-tensor hooks (example_hooks.SAVED_TENSOR_HOOKS)
+    max_logit: bool = False  # --qk-clip / --log-max-attention-logit: the reference has StarTrail attention
 
 
 def _pick(rng: random.Random, *options):
@@ -307,8 +314,52 @@ def _finish(seed, index, rng, features, shared, startrail, reference, startrail_
     if protocol != "plain":
         features.append(protocol)
     shared = ["--num-layers", str(layers), *shared]
-    return Draw(f"{seed}:{index}", features, shared, startrail, reference, startrail_ranks, reference_ranks,
-                protocol, skip)
+    d = Draw(f"{seed}:{index}", features, shared, startrail, reference, startrail_ranks, reference_ranks,
+             protocol, skip)
+    return _draw_wrappers(d, seed, index, hybrid)
+
+
+def _draw_wrappers(d: Draw, seed: int, index: int, hybrid: bool) -> Draw:
+    """The dimensions added after the rest, from their own stream (so every earlier draw keeps
+    its configuration and gains these): QK-clip / the max-logit log, torch's checkpoint around
+    every layer, saved-tensor hooks around every step."""
+    rng = random.Random(f"{seed}:{index}:wrappers")
+    packed = "--reset-attention-mask" in d.reference or "--dataloader-inter-document-masking" in d.reference
+    # (the CP = 1 twin of packed documents is Megatron's dense mask, which StarTrail's attention
+    # at CP = 1 does not read; hybrid CP has no CP = 1 StarTrail twin)
+    tp = int(d.shared[d.shared.index("--tensor-model-parallel-size") + 1]) if not hybrid else 0
+    if not hybrid and not packed and rng.random() < 0.25:
+        d.max_logit = True
+        # (megatron-core 0.19.2's SelfAttention._clip_linear_qkv reshapes the TP-partitioned
+        # weight by the unpartitioned projection sizes: it fails at TP > 1, StarTrail or not)
+        if rng.random() < 0.5 and tp == 1:  # a threshold under the logits of step 1: the clipping fires
+            d.shared += ["--qk-clip", "--qk-clip-threshold", "0.05", "--qk-clip-alpha", "0.5"]
+            d.features.append("qk-clip")
+        else:
+            d.shared.append("--log-max-attention-logit")
+            d.features.append("log-max-attention-logit")
+    d.wrap = _pick(rng, *(["none"] * 6), "nonreentrant", "reentrant")
+    if d.wrap != "none":
+        d.features.append(f"torch checkpoint {d.wrap}")
+    d.saved_tensor_hooks = _pick(rng, *(["none"] * 6), "save_on_cpu", "pack_clone")
+    if d.saved_tensor_hooks != "none":
+        d.features.append(f"saved-tensor hooks {d.saved_tensor_hooks}")
+    d.skip_reason = d.skip_reason or _fsdp_without_twin(d.shared)
+    return d
+
+
+def _fsdp_without_twin(shared: list[str]) -> str | None:
+    """Sharded runs that differ from DDP without StarTrail (DP2 at CP = 1, Megatron's own
+    attention, gloo): the CP = 1 reference (one rank, nothing sharded) is no twin of them."""
+    if "--use-torch-fsdp2" in shared and "--mtp-num-layers" in shared:
+        return "FSDP2 with MTP: sharded, its first-step gradients differ from DDP at DP2, CP = 1 (no StarTrail)"
+    if "--use-megatron-fsdp" in shared and "--mtp-use-repeated-layer" in shared:
+        return ("Megatron-FSDP with --mtp-use-repeated-layer: sharded, the repeated layer's gradients differ from "
+                "DDP at DP2, CP = 1 (no StarTrail)")
+    if "--use-megatron-fsdp" in shared and "--qk-clip" in shared:
+        return ("Megatron-FSDP with --qk-clip: clip_qk on sharded weights, the max logit after step 1 differs from "
+                "DDP at DP2, CP = 1 (no StarTrail); optim_grads fails at CP = 1 (torch.Tensor mixed with DTensor)")
+    return None
 
 
 # --- one rank of one run --------------------------------------------------------------------
@@ -365,18 +416,28 @@ def _install_protocol(protocol: str) -> None:
         _train_step_with(lambda step, data, model: _forward_only(step, data, second[0]))
 
 
-def fuzz_worker(rank, world_size, argv, protocol):
+def fuzz_worker(rank, world_size, argv, protocol, hooks=None):
     """One rank of one run: its logged losses, and (on DP x CP rank 0 of each TP / PP / EP
-    rank) the first step's gradients by (tp, pp, ep, name)."""
+    rank) the first step's gradients by (tp, pp, ep, name) and the max attention logit of each
+    step by (tp, pp, ep, "max logit", iteration). ``hooks``: {"wrap", "saved_tensor_hooks",
+    "startrail_at_cp1", "max_logit"} (tests/megatron/example_hooks.py)."""
     import queue  # noqa: PLC0415
 
+    import torch  # noqa: PLC0415
     from megatron.core import parallel_state  # noqa: PLC0415
     from megatron.core.dist_checkpointing.strategies import filesystem_async  # noqa: PLC0415
 
+    from tests.megatron import example_hooks  # noqa: PLC0415
     from tests.megatron.utils import record_first_step_grads  # noqa: PLC0415
 
+    hooks = hooks or {}
     filesystem_async._results_queue = queue.Queue()  # (tests/megatron/test_resume.py: no Manager in a daemon)
     _install_protocol(protocol)
+    example_hooks.wrap_layers_in_torch_checkpoint(hooks.get("wrap", "none"))
+    example_hooks.saved_tensor_hooks_around_step(hooks.get("saved_tensor_hooks", "none"))
+    if hooks.get("startrail_at_cp1"):
+        example_hooks.startrail_attention_at_cp1()
+    logits = example_hooks.record_max_logits() if hooks.get("max_logit") else {}
     recorded = record_first_step_grads(every_chunk=True)  # the first step's reduced gradients, every chunk
     log = run_example_rank(rank, world_size, argv)
     losses = {int(i): float(x) for i, x in LOSS.findall(log)}
@@ -386,10 +447,12 @@ def fuzz_worker(rank, world_size, argv, protocol):
             where = (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank(),
                      parallel_state.get_expert_model_parallel_rank())
             grads = {(*where, name): g for name, g in recorded["grads"].items()}
+            # (the logged max logit: MAX over DP x CP of this TP rank's heads in this stage's layers)
+            grads.update({(*where, "max logit", i): torch.tensor(x, dtype=torch.float64) for i, x in logits.items()})
     return losses, grads
 
 
-def _train(ranks: int, argv: list[str], protocol: str):
+def _train(ranks: int, argv: list[str], protocol: str, hooks: dict | None = None):
     """(losses by iteration, grads by (tp, pp, ep, name)) of one run, or raise what a rank raised.
     ``resume``: to iteration 2, saved (torch_dist); then new processes load it and go on to the end."""
     parts = [argv]
@@ -401,10 +464,10 @@ def _train(ranks: int, argv: list[str], protocol: str):
     grads: dict = {}
     try:
         for part in parts:
-            for rank_losses, rank_grads in run_ranks(fuzz_worker, ranks, args=(part, protocol), timeout=240):
+            for rank_losses, rank_grads in run_ranks(fuzz_worker, ranks, args=(part, protocol, hooks), timeout=240):
                 losses.update(rank_losses)
-                if part is parts[0]:
-                    grads.update(rank_grads or {})  # the first step's: the first part's
+                # the first step's gradients: the first part's; the max logits: every part's
+                grads.update({k: g for k, g in (rank_grads or {}).items() if part is parts[0] or "max logit" in k})
     finally:
         shutil.rmtree(save_dir, ignore_errors=True)
     return losses, grads
@@ -422,10 +485,13 @@ def _compare(got, want) -> tuple[float, float, str]:
     # largest gradient entry: a gradient that is zero in exact arithmetic (the K layer norm's
     # bias: a shift of every key leaves each softmax row unchanged) is fp32 noise, 1e-9 of the
     # largest, in both runs. A wrong gradient 1e-8 of the largest or more still shows.
-    floor = 1e-3 * max(float(r.abs().max()) for r in ref_grads.values())
+    # The logged max attention logits (--qk-clip, --log-max-attention-logit), relative, apart
+    # from the gradients' floor.
+    floor = 1e-3 * max(float(r.abs().max()) for k, r in ref_grads.items() if "max logit" not in k)
     worst, where = 0.0, ""
     for key, ref in ref_grads.items():
-        err = float((grads[key] - ref).abs().max() / max(float(ref.abs().max()), floor))
+        scale = float(ref.abs().max()) if "max logit" in key else max(float(ref.abs().max()), floor)
+        err = float((grads[key] - ref).abs().max() / scale)
         if not math.isfinite(err) or err > worst:
             worst, where = (err if math.isfinite(err) else math.inf), "/".join(map(str, key))
     return loss_err, worst, where
@@ -456,10 +522,11 @@ def run_draw(d: Draw) -> dict:
 
     if d.skip_reason:
         return done(status="skipped", reason=d.skip_reason)
+    hooks = dict(wrap=d.wrap, saved_tensor_hooks=d.saved_tensor_hooks, max_logit=d.max_logit)
     reference = lambda: _train(d.reference_ranks, [*d.shared, "--context-parallel-size", "1", *d.reference],  # noqa: E731
-                               d.protocol)
+                               d.protocol, dict(hooks, startrail_at_cp1=d.max_logit))
     try:
-        got = _train(d.startrail_ranks, [*d.shared, *d.startrail], d.protocol)
+        got = _train(d.startrail_ranks, [*d.shared, *d.startrail], d.protocol, hooks)
     except AssertionError as error:
         refusal = _startup_refusal(error)
         try:
@@ -484,8 +551,19 @@ def run_draw(d: Draw) -> dict:
         if refusal:
             return done(status="skipped", reason="the CP = 1 reference refuses it: " + refusal)
         return done(status="error", reason="the CP = 1 reference failed: " + str(error)[-1500:])
+    if "--qk-layernorm" in d.shared:
+        # The K layer norm's bias has no gradient in exact arithmetic (_compare), so Adam turns
+        # its fp32 noise into updates that shift each query's raw logits by q . db: the loss
+        # stays, the logged raw max moves. Only step 1's max logit (before any update) is fixed.
+        got, want = ((run[0], {k: v for k, v in run[1].items() if "max logit" not in k or k[-1] == 1})
+                     for run in (got, want))
     loss_err, grad_err, where = _compare(got, want)
     exact = loss_err <= TOLERANCE and grad_err <= TOLERANCE
+    if d.max_logit:  # (compared with the gradients, _compare); logged every step, never zero
+        logits = [float(v) for k, v in want[1].items() if "max logit" in k]
+        result["max_logits"] = f"{len(logits)} logged, {min(logits, default=0):.3g}..{max(logits, default=0):.3g}"
+        if not logits or min(logits) <= 0:
+            return done(status="error", reason=f"max attention logits missing: {result['max_logits']}")
     return done(status="exact" if exact else "DIFFERS", loss_error=loss_err, grad_error=grad_err, worst=where)
 
 
@@ -501,8 +579,12 @@ def documents(directory: str) -> str:
 def table(rows: list[dict]) -> str:
     counts = {s: sum(r["status"] == s for r in rows) for s in ("exact", "DIFFERS", "refused", "skipped", "error")}
     timed = [r["seconds"] for r in rows if r["status"] == "exact"]
+    seeds = sorted({r["name"].split(":")[0] for r in rows}, key=int)
+    indices = sorted(int(r["name"].split(":")[1]) for r in rows)
     lines = [
         "# Model-level differential fuzz: StarTrail CP against CP = 1 (benchmarks/accuracy/model_fuzz.py)",
+        "",
+        f"Seed {', '.join(seeds)}, draws {indices[0]}..{indices[-1]} ({len(rows)} run).",
         "",
         f"{len(rows)} draws: " + ", ".join(f"{n} {s}" for s, n in counts.items()) +
         (f"; {sum(timed) / len(timed):.0f} s per compared draw on average (two runs), 2-core CPU, gloo" if timed else ""),
@@ -516,6 +598,8 @@ def table(rows: list[dict]) -> str:
     ]
     for r in rows:
         note = r.get("reason") or (r.get("worst") if r["status"] != "exact" else "")
+        if r.get("max_logits"):  # (--qk-clip, --log-max-attention-logit: compared with the gradients)
+            note = f"max logits {r['max_logits']}" + (f"; {note}" if note else "")
         note = (note or "").replace("|", "/").replace("\n", " ")[:160]
         fmt = lambda x: "" if x is None else f"{x:.1e}"  # noqa: E731
         lines.append(f"| {r['name']} | {', '.join(r['features'])} | {r['startrail_ranks']} vs "
@@ -560,6 +644,7 @@ def main(argv=None) -> int:
             r = run_draw(d)
             rows.append(r)
             errors = (f"loss {r['loss_error']:.1e} grad {r['grad_error']:.1e}  " if "grad_error" in r else "")
+            errors += f"max logits {r['max_logits']}  " if "max_logits" in r else ""
             print(f"{r['name']:>8} {r['status']:>8} {r.get('seconds', 0):6.1f}s  {', '.join(d.features)}  {errors}"
                   f"{r.get('reason') or (r.get('worst') if r['status'] != 'exact' else '') or ''}"[:600], flush=True)
             if not args.no_write:

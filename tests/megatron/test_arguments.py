@@ -260,7 +260,8 @@ def test_qk_clip_and_the_max_logit_log_need_no_transformer_engine_with_startrail
     those two flags from Megatron's validate_args (here a recorder of what it is handed: its
     CPU run needs the example's setup) for StarTrail attention only (CP4, or CP = 1 with
     StarTrail's spec), restores them, and makes Megatron's other checks of them itself. (The
-    values themselves: tests/megatron/test_qk_clip.py, CP4 C2 against CP = 1.)"""
+    values themselves: tests/megatron/test_qk_clip.py, CP4 C2 against CP = 1;
+    the logged values through the example: the model fuzzer's max-logit draws.)"""
     from megatron.training import arguments as megatron_arguments  # noqa: PLC0415
 
     from megatron_startrail.megatron.arguments import validate_megatron_args  # noqa: PLC0415
