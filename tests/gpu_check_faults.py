@@ -1,15 +1,12 @@
 """Faulty parts for the GPU kits' tests (child side: the kits start them as they start their own
-parts, through ``benchmarks.gpu.check_parts``, so the process per part is exercised as on a GPU).
-
-Only :func:`permuted_timing_part` needs torch (the kit's kernels), and it imports them itself: the
-other parts' processes start without torch (each restart after a death costs a Python start-up,
-not seconds of importing torch on CI's two cores)."""
+parts, through ``benchmarks.gpu.check_parts``, so the process per part is exercised as on a GPU)."""
 
 from __future__ import annotations
 
 import os
 import time
 
+from benchmarks.gpu import check_kernels as gpu_check_kernels
 from benchmarks.gpu import check_parts as gpu_check_parts
 
 
@@ -17,8 +14,6 @@ def permuted_timing_part(items, **kwargs) -> None:
     """The kit's timing part, the block kernel handed SDPA's ``[1, heads, seq, d]`` views instead
     of its ``[seq, 1, heads, d]`` tensors: what 9ee7a82's ``time_kernel`` did by reading q, k, v,
     dout late in its closure (it crashed an H100, and passed on a CPU where slicing clamps)."""
-    from benchmarks.gpu import check_kernels as gpu_check_kernels  # noqa: PLC0415 - torch, for this part only
-
     inputs = gpu_check_kernels.timing_inputs
 
     def permuted(*args):

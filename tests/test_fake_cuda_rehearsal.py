@@ -19,48 +19,55 @@ import pytest
 from tests.fake_cuda.build import build_shim, why_not_buildable
 from tests.fake_cuda.kernel_matrix import ADAPTERS
 from tests.fake_cuda.matrix import KERNEL_OPS, cases
-from tests.fake_cuda.run import fake_cuda_child
+from tests.fake_cuda.run import start_fake_cuda
 
 
-# The children: the matrix in MATRIX_SHARDS interleaved shards, the kernel matrix and the self-check,
-# side by side, started when the session starts (tests/conftest.py: early_children) on what the
-# rest of the suite leaves idle of the machine's cores (one after another they took 230 s of a
-# quiet 2-core run's wall time, one core idle; side by side, at this file's turn, still 224 s).
+@pytest.fixture(scope="session")
+def shim(tmp_path_factory):
+    why = why_not_buildable()
+    if why is not None:
+        pytest.skip(why)
+    return build_shim(tmp_path_factory.mktemp("fake_cuda"))
+
+
+# The children, started together and read as the tests need them: the matrix in MATRIX_SHARDS
+# interleaved shards, the kernel matrix and the self-check side by side on the machine's cores
+# (one after another they took 230 s of a quiet 2-core run's wall time, one core idle).
 MATRIX_SHARDS = 2
 
 
-def start_children(tmp_path_factory, nice=0):
-    """{name: Child}, or None where the shim cannot be built (the tests skip)."""
-    if why_not_buildable() is not None:
-        return None
-    shim = build_shim(tmp_path_factory.mktemp("fake_cuda"))
-    started = {f"matrix {i}": ("tests.fake_cuda.matrix", "--shard", f"{i}/{MATRIX_SHARDS}")
-               for i in range(MATRIX_SHARDS)}
-    started.update(kernel_matrix=("tests.fake_cuda.kernel_matrix",), selfcheck=("tests.fake_cuda.selfcheck",))
-    children = {}
-    for name, (module, *args) in started.items():
-        directory = tmp_path_factory.mktemp("rehearsal")
-        children[name] = fake_cuda_child(shim, directory, module, *args, "--json", str(directory / "out.json"),
-                                         nice=nice)
-    return children
+class Child:
+    def __init__(self, shim, directory, module: str, *args: str):
+        self.out, self.log = directory / "out.json", open(directory / "log.txt", "w+")
+        self.proc = start_fake_cuda(shim, module, *args, "--json", str(self.out), log=self.log)
+
+    def result(self):
+        code = self.proc.wait(timeout=900)
+        self.log.seek(0)
+        assert code == 0 and self.out.exists(), self.log.read()[-6000:]
+        return json.loads(self.out.read_text())
+
+    def stop(self):
+        if self.proc.poll() is None:  # a test failed before reading it
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
 
 
 @pytest.fixture(scope="module")
-def children(early_children):
-    if early_children[__name__] is None:
-        pytest.skip(why_not_buildable())
-    for child in early_children[__name__].values():
-        child.hurry()  # the tests wait for all of them from now on
-    return early_children[__name__]
-
-
-def result(child):
-    return json.loads((child.wait() / "out.json").read_text())
+def children(shim, tmp_path_factory):
+    started = {f"matrix {i}": ("tests.fake_cuda.matrix", "--shard", f"{i}/{MATRIX_SHARDS}")
+               for i in range(MATRIX_SHARDS)}
+    started.update(kernel_matrix=("tests.fake_cuda.kernel_matrix",), selfcheck=("tests.fake_cuda.selfcheck",))
+    running = {name: Child(shim, tmp_path_factory.mktemp("rehearsal"), *how) for name, how in started.items()}
+    yield running
+    for child in running.values():
+        child.stop()
 
 
 @pytest.fixture(scope="module")
 def matrix(children):
-    return [record for i in range(MATRIX_SHARDS) for record in result(children[f"matrix {i}"])]
+    return [record for i in range(MATRIX_SHARDS) for record in children[f"matrix {i}"].result()]
 
 
 def failing(matrix, wrong):
@@ -88,7 +95,7 @@ def test_the_torch_ops_met_their_contracts(matrix):
 
 @pytest.fixture(scope="module")
 def kernel_matrix(children):
-    return result(children["kernel_matrix"])
+    return children["kernel_matrix"].result()
 
 
 def test_cuda_adapters_meet_the_op_contracts_call_by_call(kernel_matrix):
@@ -140,7 +147,7 @@ def test_the_package_asks_torch_cuda_nothing_a_cpu_build_cannot_answer(matrix):
 
 
 def test_the_rules_catch_what_they_are_for(children):
-    got = result(children["selfcheck"])
+    got = children["selfcheck"].result()
     assert got["known"] == 7  # a host read of a device value runs (its value followed on the CPU)...
     assert [s[1].split(":")[0].rsplit("/", 2)[-2:] for s in got["syncs"]] == [["fake_cuda", "selfcheck.py"]]  # a sync
     to_device, to_host = got["copies"]

@@ -186,11 +186,9 @@ def _selfcheck(tmp_path, *extra):
 
 
 def test_selfcheck_fails_when_its_timing_part_is_handed_permuted_tensors(monkeypatch, tmp_path):
-    """The CPU self-check's accuracy and timing parts (each in its process; the rank part skipped,
-    the transport part left to test_cpu_selfcheck_runs_every_part), its timing part's kernel handed
-    SDPA's permuted views as 9ee7a82's did: it fails, naming the part; the accuracy rows stay."""
+    """The whole CPU self-check (each part in its process), its timing part's kernel handed SDPA's
+    permuted views as 9ee7a82's did: it fails, naming the part; the accuracy rows stay."""
     monkeypatch.setitem(gpu_check.FUNCTIONS, "timing", "tests.gpu_check_faults:permuted_timing_part")
-    monkeypatch.setattr(gpu_check, "PARTS", ("accuracy", "timing", "rank"))  # a process less: no transport
     status, text, _ = _selfcheck(tmp_path, "--skip-rank", "--dtypes", "fp32", "--kernels", "torch_cpu_flash",
                                  "--dims", "16/16")
     assert status == 1 and "## Errors" in text
@@ -207,8 +205,7 @@ def test_a_dead_part_keeps_its_rows_and_the_others_run(tmp_path):
     an item that raises is its error; the later parts run; the tables are written after each."""
     written = []
     parts = [Part("dies", "tests.gpu_check_faults:faulty_part", {"fault": "die", "at": 1, "count": 3}, 60),
-             # 4 s: a Python start-up without torch (tests/gpu_check_faults.py) and item 0, then the hang
-             Part("hangs", "tests.gpu_check_faults:faulty_part", {"fault": "hang", "at": 1, "count": 3}, 4),
+             Part("hangs", "tests.gpu_check_faults:faulty_part", {"fault": "hang", "at": 1, "count": 3}, 8),
              Part("loses", "tests.gpu_check_faults:faulty_part", {"fault": "lose", "at": 0, "count": 2}, 60),
              Part("raises", "tests.gpu_check_faults:raising_part", {"count": 3}, 60)]
     results = run_parts(parts, tmp_path / "log", 120, lambda r: written.append({n: p.status for n, p in r.items()}))

@@ -54,30 +54,23 @@ def test_the_model_bounds_the_measured_peak(measured):
         assert 0.85 * model <= got <= 1.45 * model, (row["config"], got, model)
 
 
-def start_children(tmp_path_factory, nice=0):
-    """benchmarks/counters/fake_cuda_memory.py at P = 16 (ring and C = 4; both rotations, with and
-    without regathering), 128K tokens of bf16 GQA 32/8 x 128, rank 1, in a fake-CUDA process
-    (tests/conftest.py starts it when the session starts): the order of allocations is the
-    program's, not gloo's timing. None where the shim cannot be built."""
-    from tests.fake_cuda.build import build_shim, why_not_buildable  # noqa: PLC0415
-    from tests.fake_cuda.run import fake_cuda_child  # noqa: PLC0415
-
-    if why_not_buildable() is not None:
-        return None
-    out = tmp_path_factory.mktemp("fake_cuda_memory")
-    return {"memory": fake_cuda_child(build_shim(tmp_path_factory.mktemp("shim")), out,
-                                      "benchmarks.counters.fake_cuda_memory", "--out", str(out / "rows"),
-                                      "--tokens", str(2**17), "--world-sizes", "16", "--team-sizes", "1", "4",
-                                      "--no-extras", nice=nice)}
-
-
 @pytest.fixture(scope="module")
-def fake_cuda_rows(early_children):
-    from tests.fake_cuda.build import why_not_buildable  # noqa: PLC0415
+def fake_cuda_rows(tmp_path_factory):
+    """benchmarks/counters/fake_cuda_memory.py at P = 16 (ring and C = 4; both rotations, with and
+    without regathering), 128K tokens of bf16 GQA 32/8 x 128, rank 1, in a fake-CUDA process:
+    the order of allocations is the program's, not gloo's timing."""
+    from tests.fake_cuda.build import build_shim, why_not_buildable  # noqa: PLC0415
+    from tests.fake_cuda.run import run_fake_cuda  # noqa: PLC0415
 
-    if early_children[__name__] is None:
-        pytest.skip(why_not_buildable())
-    return json.loads((early_children[__name__]["memory"].wait(timeout=300) / "rows.json").read_text())
+    if (why := why_not_buildable()) is not None:
+        pytest.skip(why)
+    out = tmp_path_factory.mktemp("fake_cuda_memory")
+    done = run_fake_cuda(build_shim(tmp_path_factory.mktemp("shim")), "benchmarks.counters.fake_cuda_memory",
+                         "--out", str(out / "rows"), "--tokens", str(2**17), "--world-sizes", "16", "--team-sizes", "1", "4",
+                         "--no-extras",
+                         timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads((out / "rows.json").read_text())
 
 
 def test_fake_cuda_memory_matches_the_model(fake_cuda_rows):

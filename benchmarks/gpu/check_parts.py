@@ -68,10 +68,7 @@ class PartResult:
 
 def device_lost() -> bool:
     """Whether this process's CUDA context is gone (after an illegal memory access every call
-    raises, ``synchronize`` included). False on a machine without CUDA, and in a process that
-    never imported torch (it has no CUDA context to lose; importing torch to ask takes seconds)."""
-    if "torch" not in sys.modules:
-        return False
+    raises, ``synchronize`` included). False on a machine without CUDA."""
     import torch  # noqa: PLC0415
 
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():

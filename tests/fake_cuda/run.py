@@ -3,7 +3,6 @@
 ``run_fake_cuda(shim, "tests.fake_cuda.matrix", "--json", path)`` runs ``python -m`` that module
 with ``LD_PRELOAD`` set, so torch registers the shim's CUDA device guard and hooks before it
 asks for them (it asks once per process: a shim loaded after ``import torch`` comes too late).
-:func:`fake_cuda_child` starts one and does not wait (tests/children.py: started with the session).
 """
 
 from __future__ import annotations
@@ -12,8 +11,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-
-from tests.children import Child
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,7 +26,8 @@ def run_fake_cuda(shim: Path, module: str, *args: str, timeout: float = 900) -> 
                           text=True, timeout=timeout)
 
 
-def fake_cuda_child(shim: Path, directory: Path, module: str, *args: str, nice: int = 0) -> Child:
-    """``python -m module *args`` under fake CUDA, started and not waited for (a
-    :class:`tests.children.Child`: its output in ``directory``/log.txt)."""
-    return Child([sys.executable, "-m", module, *args], directory, env=_env(shim), nice=nice)
+def start_fake_cuda(shim: Path, module: str, *args: str, log) -> subprocess.Popen:
+    """The same, started and not waited for (children side by side on the machine's cores);
+    stdout and stderr go to the open file ``log`` (a pipe left unread would stall the child)."""
+    return subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, env=_env(shim), stdout=log,
+                            stderr=subprocess.STDOUT, text=True)

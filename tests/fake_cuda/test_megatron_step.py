@@ -16,29 +16,23 @@ import pytest
 
 from tests.fake_cuda.build import build_shim, why_not_buildable
 from tests.fake_cuda.rank import is_package_frame
-from tests.fake_cuda.run import fake_cuda_child
+from tests.fake_cuda.run import run_fake_cuda
 
 CONFIGS = ((8, 2), (16, 4))
 H100_BYTES = 80 * 10**9
 
 
-def start_children(tmp_path_factory, nice=0):
-    """The step's one child (tests/conftest.py starts it when the session starts), or None where
-    the shim cannot be built."""
-    if why_not_buildable() is not None:
-        return None
-    shim = build_shim(tmp_path_factory.mktemp("fake_cuda"))
-    directory = tmp_path_factory.mktemp("megatron_step")
-    cps, teams = ([str(c[i]) for c in CONFIGS] for i in (0, 1))
-    return {"step": fake_cuda_child(shim, directory, "tests.fake_cuda.megatron_step", "--cp", *cps, "--team", *teams,
-                                    "--json", str(directory / "step.json"), nice=nice)}
-
-
 @pytest.fixture(scope="module")
-def runs(early_children):
-    if early_children[__name__] is None:
-        pytest.skip(why_not_buildable())
-    out = early_children[__name__]["step"].wait(timeout=600) / "step.json"
+def runs(tmp_path_factory):
+    reason = why_not_buildable()
+    if reason:
+        pytest.skip(reason)
+    shim = build_shim(tmp_path_factory.mktemp("fake_cuda"))
+    out = tmp_path_factory.mktemp("megatron_step") / "step.json"
+    cps, teams = ([str(c[i]) for c in CONFIGS] for i in (0, 1))
+    done = run_fake_cuda(shim, "tests.fake_cuda.megatron_step", "--cp", *cps, "--team", *teams, "--json", str(out),
+                         timeout=600)
+    assert done.returncode == 0, done.stderr[-6000:]
     return {(r["cp"], r["team"]): r for r in json.loads(out.read_text())["runs"]}
 
 
