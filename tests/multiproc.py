@@ -11,8 +11,8 @@ Usage::
 
 ``worker(rank, world_size, *args)`` runs inside an initialized default process group
 (backend gloo). Any exception on any rank fails the call with that rank's traceback.
-Workers should build their own inputs from a seed (the parent does no torch work, so
-forking never copies a live OpenMP thread pool into the children).
+Workers should build their own inputs from a seed. Every forked rank starts with
+:func:`single_threaded_after_fork` (the parent runs torch ops of its own; see there).
 
 In NCCL-rules mode (``STARTRAIL_CHECK_NCCL_RULES=1``, which tests/conftest.py sets for the
 whole suite) every run that finishes on all ranks is then checked against NCCL's rules
@@ -46,10 +46,21 @@ from megatron_startrail import nccl_rules
 PG_TIMEOUT_S = float(os.environ.get("STARTRAIL_TEST_PG_TIMEOUT", "60"))
 
 
+def single_threaded_after_fork() -> None:
+    """The first call of every rank forked from the pytest process. The parent runs torch ops of
+    its own (the float64 references of many tests), and a multi-threaded one starts libgomp's
+    OpenMP thread pool; fork copies the pool's bookkeeping but not its threads, so a child's first
+    parallel region with more than one thread waits for ever for them. (Seen: all 8 ranks of
+    tests/megatron/test_example_failures.py stuck in Megatron's ``torch.zeros`` of the gradient
+    buffer, after a ``layer_norm`` in the parent.) One thread per rank starts no pool, and with
+    2-16 ranks on 2 cores it is also the fastest."""
+    torch.set_num_threads(1)
+
+
 def _child(fn, rank, world_size, init_file, args, kwargs, conn):
     result: Any
     try:
-        torch.set_num_threads(1)
+        single_threaded_after_fork()
         dist.init_process_group(
             "gloo",
             init_method=f"file://{init_file}",

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_startrail import new_startrail_groups, startrail_attn
+from tests.multiproc import single_threaded_after_fork
 
 WORLD, VICTIM = 4, 2
 PG_TIMEOUT_S = 6.0
@@ -35,7 +36,7 @@ def _attention_step(groups, seed):
 
 def _rank(rank, init_file, mode, conn):
     """Two good steps; then the victim dies or hangs while the others start a third."""
-    torch.set_num_threads(1)
+    single_threaded_after_fork()
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
     groups = new_startrail_groups(team_size=2, timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))  # 2 teams of 2

@@ -25,6 +25,7 @@ import pytest
 import torch.distributed as dist
 
 from tests.megatron.example import ROOT, pretrain_gpt
+from tests.multiproc import single_threaded_after_fork
 
 
 COMMON = [
@@ -37,6 +38,7 @@ COMMON = [
 
 def _example_rank(rank, world, argv, env, victim_step, conn):
     """Run the example as rank ``rank``; report how it ended and when."""
+    single_threaded_after_fork()  # before any torch op (the parent ran some: see there)
     os.environ.update(env, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world))
     if victim_step is not None:  # this rank dies (SIGKILL) inside its victim_step-th forward step
