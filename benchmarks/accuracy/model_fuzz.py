@@ -651,8 +651,8 @@ def main(argv=None) -> int:
                 with open(args.out + ".jsonl", "a") as f:
                     f.write(json.dumps(r) + "\n")
     if not args.no_write:
-        with open(args.out + ".jsonl") as f:
-            every = [json.loads(line) for line in f if line.strip()]
+        with open(args.out + ".jsonl") as f:  # a draw run again (after a fix) replaces its row, in its place
+            every = list({r["name"]: r for r in map(json.loads, filter(str.strip, f))}.values())
         with open(args.out + ".md", "w") as f:
             f.write(table(every))
     bad = [r for r in rows if r["status"] in ("DIFFERS", "error")]
