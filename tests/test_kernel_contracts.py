@@ -110,6 +110,41 @@ def test_cudnn_folds_a_dense_call_into_one_launch():
     assert shapes == [(6, 4, 40, 64), (6, 4, 40, 64)]
 
 
+@pytest.mark.parametrize("window, kv_heads_in", [((-1, 0), 2), ((8, 0), 8)], ids=["causal", "window (bias)"])
+def test_cudnn_takes_gqa_kv_heads_as_they_are_unless_a_bias_goes_in(window, kv_heads_in):
+    # GQA 8/2 on Megatron's fused-QKV views: K/V reach cuDNN's forward and backward at 2 heads
+    # (no copies, no dK/dV group sums) where no bias goes in; a window goes in as a bias, and
+    # there K/V are expanded to 8 heads (GQA with a bias: unmeasured on a GPU).
+    heads = []
+
+    class Spy(OpContracts):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (aten._scaled_dot_product_cudnn_attention.default,
+                        aten._scaled_dot_product_cudnn_attention_backward.default):
+                k = args[1] if func is aten._scaled_dot_product_cudnn_attention.default else args[2]
+                heads.append(k.shape[1])
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    q, k, v = fused_qkv(64, 2, 8, 2, 64, 64, torch.bfloat16)
+    dout = torch.empty(2, 64, 8, 64, dtype=torch.bfloat16, device="meta").transpose(0, 1)
+    call = KernelCall.back_to_back([(64, 64)], window)
+    kernel = TorchCUDACudnnKernel()
+    with Spy():
+        out, lse = kernel.forward(q, k, v, call, scale=0.1)
+        grads = kernel.backward(dout, q, k, v, out, lse, call, scale=0.1)
+    assert heads == [kv_heads_in, kv_heads_in]
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+
+
+def test_cudnn_double_refuses_gqa_heads_with_a_bias():
+    meta = lambda *shape: torch.empty(*shape, dtype=torch.bfloat16, device="meta")  # noqa: E731
+    q, k, v, bias = meta(1, 8, 16, 64), meta(1, 2, 16, 64), meta(1, 2, 16, 64), meta(1, 1, 16, 16)
+    with pytest.raises(ContractViolation, match="K/V heads dividing q's only without attn_bias"), OpContracts():
+        aten._scaled_dot_product_cudnn_attention(q, k, v, bias, True, 0.0, False, False, scale=0.1)
+    with OpContracts():  # the same heads without the bias: the op's contract as the H100 probe ran it
+        aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, False, False, scale=0.1)
+
+
 # --- the doubles reject what 9ee7a82's efficient adapter handed the op ---------------------------
 
 def _bhsd_of_sequence_major(rows, b, h, d, dtype=torch.bfloat16):

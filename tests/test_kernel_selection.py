@@ -477,14 +477,15 @@ def test_forced_kernel_errors_on_every_rank_before_communication():
 class _EmulatedAtenOps:
     """The three CUDA attention ops emulated in float64 on the CPU, with their conventions:
     flash variable length with flash-attn's window, GQA and ``[total, h, d]`` / lse
-    ``[h, total]``; efficient and cuDNN per sequence, no GQA, an additive bias for a mask,
+    ``[h, total]``; efficient and cuDNN per sequence, no GQA (cuDNN: GQA without a bias), an additive bias for a mask,
     one head dim (cuDNN), lse padded to 32 rows with junk (efficient) or ``[b, h, sq, 1]``
     (cuDNN), and the backward asserting it gets them back that way."""
 
     ref = ReferenceKernel()
 
-    def _dense(self, q, k, v, bias, causal, scale, equal_dims):
-        assert q.shape[1] == k.shape[1] == v.shape[1], "the ops take no GQA"
+    def _dense(self, q, k, v, bias, causal, scale, equal_dims, gqa=False):
+        assert q.shape[1] == k.shape[1] == v.shape[1] or (gqa and k.shape[1] == v.shape[1]
+                                                          and q.shape[1] % k.shape[1] == 0), "no GQA here"
         assert q.shape[-1] % 8 == 0 and v.shape[-1] % 8 == 0
         assert not equal_dims or q.shape[-1] == k.shape[-1] == v.shape[-1]
         mask = None if bias is None else bias[0, 0] == 0
@@ -536,7 +537,7 @@ class _EmulatedAtenOps:
 
     def _scaled_dot_product_cudnn_attention(self, q, k, v, bias, compute_lse, p, is_causal, debug, *, scale):
         assert all(t.stride(-1) == 1 for t in (q, k, v))  # any strides, a dense head dim
-        out, lse = self._dense(q, k, v, bias, is_causal, scale, True)
+        out, lse = self._dense(q, k, v, bias, is_causal, scale, True, gqa=bias is None)  # GQA: aten_doubles
         return self._like(out, q), lse.unsqueeze(-1), None, None, q.shape[2], k.shape[2], None, None, None
 
     def _scaled_dot_product_cudnn_attention_backward(self, dout, q, k, v, out, lse, seed, offset, bias, cq, ck, mq,

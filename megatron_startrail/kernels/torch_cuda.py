@@ -9,7 +9,7 @@ The memory-efficient and cuDNN ops take no variable-length call with flash-attn'
 so they run :class:`PerSequenceKernel`'s launches: a dense call (one sequence, or equal ones)
 in one launch with the sequences folded into the batch, packed documents of different
 lengths one launch each; a window or a bottom-right causal sequence as an additive mask,
-and K/V heads expanded for GQA. Shapes as the ops return them (checked on the meta device,
+and K/V heads expanded for GQA (cuDNN: only where a mask goes in). Shapes as the ops return them (checked on the meta device,
 tests/test_kernel_selection.py, and against the ops' contracts in tests/fake_cuda/aten_doubles.py)::
 
     efficient  out [B, h, sq, dv]   lse [B, h, ceil(sq/32)*32]      dv may differ from q/k's
@@ -179,13 +179,25 @@ def _out_like(dout, out):
     return None  # out laid out as no forward gives it: the caller makes everything contiguous
 
 
+def _cudnn_kv(k, v, heads: int, bias):
+    """K and V ``[B, hkv, s, d]`` as the cuDNN op takes them. Without a bias, GQA's own K/V heads:
+    called directly (the SDPA dispatcher's equal-heads check is not the op's), the op is right
+    with fewer K/V heads in forward and backward, and a little faster than with them expanded
+    (H100, torch 2.11, cuDNN 9.19: ``benchmarks/results/gpu/h100-2026-11-28/probe_cudnn_gqa.txt``,
+    32/8 heads, ``[s, b, h, d]`` views and contiguous, batch 1 and 2, full and causal). With a
+    bias (windows, cut edges: unmeasured with GQA heads) expanded to the query heads."""
+    if bias is None:
+        return k, v
+    return expand_kv_heads(k, heads), expand_kv_heads(v, heads)
+
+
 class TorchCUDACudnnKernel(CheckedKernel, EqualHeadDimsKernel, PerSequenceKernel):
     """``aten::_scaled_dot_product_cudnn_attention`` (cuDNN's fused attention); lse comes
     back as ``[B, h, sq, 1]``. Zero-copy: q, k, v, out and dO go in as the schedule holds them,
     ``[B, h, s, d]`` views of ``[s, b, h, d]`` storage (the op takes any strides with a dense
     head dim, and gives out and the gradients q's layout, so they come back as ``[s, b, h, d]``
-    rows too); dO and out laid out alike (cuDNN's backward wants it). GQA: K/V heads are expanded
-    (the op takes one head count). A dense call (one sequence, or equal ones) is one launch
+    rows too); dO and out laid out alike (cuDNN's backward wants it). GQA: K/V go in at their own
+    head count, expanded only where a bias goes in (:func:`_cudnn_kv`). A dense call (one sequence, or equal ones) is one launch
     with the sequences folded into the batch (:func:`~.varlen.sequence_groups`); packed
     documents of different lengths take one each (torch 2.13's own ``varlen_attn`` keeps
     cuDNN's variable-length op off, and it takes no window or GQA: flash serves them)."""
@@ -194,23 +206,25 @@ class TorchCUDACudnnKernel(CheckedKernel, EqualHeadDimsKernel, PerSequenceKernel
     head_dim_multiple = 8
 
     def _attend(self, q, k, v, *, causal, mask, scale):
-        h = q.shape[1]
+        bias = _bias(mask, q)
+        k, v = _cudnn_kv(k, v, q.shape[1], bias)
         res = _aten._scaled_dot_product_cudnn_attention(
-            _last_dense(q), _last_dense(expand_kv_heads(k, h)), _last_dense(expand_kv_heads(v, h)),
-            _bias(mask, q), True, 0.0, causal, False, scale=scale,
+            _last_dense(q), _last_dense(k), _last_dense(v), bias, True, 0.0, causal, False, scale=scale,
         )
         return res[0], trim_lse(res[1], q.shape[2])
 
     def _attend_backward(self, dout, q, k, v, out, lse, *, causal, mask, scale):
-        h, hkv = q.shape[1], k.shape[1]
+        hkv = k.shape[1]
         alike = _out_like(dout, out)
         if alike is None:  # q, k, v, out and dO all contiguous [B, h, s, d]: one order, as the H100 passed
             q, k, v, dout, out = (x.contiguous() for x in (q, k, v, dout, out))
         else:
             dout, out = alike
+        bias = _bias(mask, q)
+        k, v = _cudnn_kv(k, v, q.shape[1], bias)
         dq, dk, dv = _aten._scaled_dot_product_cudnn_attention_backward(
-            dout, _last_dense(q), _last_dense(expand_kv_heads(k, h)), _last_dense(expand_kv_heads(v, h)), out,
-            lse.unsqueeze(-1).contiguous(), _no_rng(q.device), _no_rng(q.device), _bias(mask, q), None, None,
+            dout, _last_dense(q), _last_dense(k), _last_dense(v), out,
+            lse.unsqueeze(-1).contiguous(), _no_rng(q.device), _no_rng(q.device), bias, None, None,
             q.shape[2], k.shape[2], 0.0, causal, scale=scale,
         )
-        return dq, sum_kv_head_groups(dk, hkv), sum_kv_head_groups(dv, hkv)
+        return dq, sum_kv_head_groups(dk, hkv), sum_kv_head_groups(dv, hkv)  # (no-ops unless expanded)

@@ -21,7 +21,8 @@ One checker per op (``CONTRACTS``):
   only): out must be laid out so, dout like out, lse ``[B, h, ceil(sq / 32) * 32]`` float32 as
   the forward returned it.
 - ``_scaled_dot_product_cudnn_attention`` / ``_backward``: ``[B, h, s, d]`` half precision, one
-  head count and one head dim (the adapter pads and expands), dout laid out like out (cuDNN
+  head dim (the adapter pads), one head count where an attn_bias goes in, else K/V heads dividing
+  q's (GQA; an H100 probe, 2026-11-28), dout laid out like out (cuDNN
   otherwise copies it, with a warning), lse ``[B, h, sq, 1]`` as the forward returned it, and
   ``max_q`` / ``max_k`` the tensors' rows (the backward sizes its graph from them).
 - ``_cudnn_attention_forward`` / ``_backward`` with ``cum_seq_q`` / ``_k`` (cuDNN's ragged
@@ -212,8 +213,12 @@ def _cudnn_common(op, a) -> None:
         _need(t.dim() == 4 and t.dtype in HALF and t.dtype == q.dtype, op, f"{name}: [batch, heads, seq, head "
               f"dim] in one half-precision dtype, got {list(t.shape)} {t.dtype}")
     _dense_last(op, query=q, key=k, value=v)
-    _need(q.shape[:2] == k.shape[:2] == v.shape[:2] and k.shape[2] == v.shape[2], op, f"q {list(q.shape)}, k "
-          f"{list(k.shape)}, v {list(v.shape)}: one batch and head count, k and v one length")
+    # K/V heads may divide q's (GQA) where no bias goes in: the H100 probe of 2026-11-28
+    # (benchmarks/results/gpu/h100-2026-11-28/probe_cudnn_gqa.txt) ran that right; with a bias, unmeasured.
+    gqa_ok = bias is None and k.shape[1] == v.shape[1] and q.shape[1] % k.shape[1] == 0
+    _need(q.shape[0] == k.shape[0] == v.shape[0] and (q.shape[1] == k.shape[1] == v.shape[1] or gqa_ok)
+          and k.shape[2] == v.shape[2], op, f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}: one batch "
+          "and head count (K/V heads dividing q's only without attn_bias), k and v one length")
     d = q.shape[-1]
     _need(k.shape[-1] == d == v.shape[-1] and d % 8 == 0 and d <= 128, op, f"head dims {d}, {k.shape[-1]}, "
           f"{v.shape[-1]}: one, a multiple of 8, at most 128")
