@@ -25,7 +25,7 @@ from ..kernels.selection import KERNELS
 from ..topology import team_size_for, valid_team_sizes
 from ..transfer import TRANSFERS
 from .attention_options import check_attention_options
-from .recompute_checks import check_recompute_modules
+from .recompute_checks import check_mtp_recompute, check_recompute_modules
 
 ALGOS = ("megatron", "startrail", "tasp")
 AUTO = "auto"
@@ -146,6 +146,7 @@ def validate_megatron_args(args, defaults=None, *, startrail_attention: bool | N
     """
     from megatron.training.arguments import validate_args  # noqa: PLC0415  (megatron.training only here)
 
+    check_torch_fsdp2_per_token_loss(args)
     if startrail_attention is None:
         startrail_attention = args.context_parallel_algo != "megatron"
     flags = ("qk_clip", "log_max_attention_logit")
@@ -166,6 +167,34 @@ def validate_megatron_args(args, defaults=None, *, startrail_attention: bool | N
             setattr(args, f, value)
 
 
+def check_torch_fsdp2_per_token_loss(args) -> None:
+    """Refuse ``--use-torch-fsdp2`` with ``--calculate-per-token-loss`` (any CP algorithm, CP = 1 too).
+
+    megatron-core 0.19.2's ``TorchFullyShardedDataParallel`` keeps ``_BaseDataParallel``'s no-op
+    ``scale_gradients``, so ``finalize_model_grads`` never divides its gradients by the global
+    count of loss tokens, and torch FSDP2's reduce-scatter averages over DP x CP (Megatron's DDP
+    and Megatron-FSDP sum there with per-token loss). Every gradient comes out (loss tokens) /
+    (DP x CP) times DDP's: measured, CP = 1, 2 x 256 tokens, 512x at DP1 and 256x at DP2, every
+    parameter alike. Adam with clipping hides most of it in the loss; the logged grad norm, SGD
+    and the clipping threshold do not. Nothing device-specific: GPUs too. Checked on the class,
+    so a Megatron that implements the method passes."""
+    if not (getattr(args, "use_torch_fsdp2", False) and getattr(args, "calculate_per_token_loss", False)):
+        return
+    try:
+        from megatron.core.distributed.data_parallel_base import _BaseDataParallel  # noqa: PLC0415
+        from megatron.core.distributed.torch_fully_sharded_data_parallel import (  # noqa: PLC0415
+            TorchFullyShardedDataParallel,
+        )
+    except ImportError:  # no FSDP2 in this megatron-core: Megatron's own checks refuse the flag
+        return
+    if TorchFullyShardedDataParallel.scale_gradients is _BaseDataParallel.scale_gradients:
+        raise ValueError(
+            "--use-torch-fsdp2 with --calculate-per-token-loss: Megatron's torch FSDP2 wrapper never divides the "
+            "gradients by the global number of loss tokens (its scale_gradients does nothing) and FSDP2 averages "
+            "them over DP x CP, so every gradient is (loss tokens / DP x CP) times DDP's; drop "
+            "--calculate-per-token-loss, or use Megatron's DDP or --use-megatron-fsdp")
+
+
 def validate_startrail_args(args) -> None:
     """Check the StarTrail flags against the parallel layout; resolve ``--startrail-team-size auto``.
 
@@ -173,6 +202,7 @@ def validate_startrail_args(args) -> None:
     """
     cp, u, algo = args.context_parallel_size, args.ulysses_degree_in_cp, args.context_parallel_algo
     check_recompute_modules(args)  # Megatron's own, any algorithm and CP size
+    check_mtp_recompute(args)
     if algo == "megatron":
         if u != 1:
             raise ValueError("--ulysses-degree-in-cp applies to --context-parallel-algo startrail only; drop it")

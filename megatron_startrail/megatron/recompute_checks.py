@@ -18,6 +18,12 @@ instead). So the refusal holds where the model has a dense MLP layer: no ``--num
 ``--moe-layer-freq`` (every N-th layer MoE, or a list) that leaves a dense layer, or a
 ``--hybrid-layer-pattern`` with an MLP layer (``-``). Multi-token prediction layers take the last
 decoder layer's spec, so they are dense only where that layer is.
+
+``--recompute-granularity full --recompute-method uniform`` with ``--mtp-num-layers`` and
+``--recompute-num-layers`` other than 1: megatron-core 0.19.2's ``MultiTokenPredictionLayer``
+checkpoints itself under full recomputation and asserts ``recompute_num_layers == 1`` for the
+uniform method, in its forward, so the run stops at its first training step on every rank,
+StarTrail or not. It is refused here with Megatron's reason before the model is built.
 """
 
 from __future__ import annotations
@@ -34,6 +40,18 @@ def check_recompute_modules(args) -> None:
             "layer's MLP returns the linear_fc2 bias parameter itself and its backward recurses without end "
             "(at CP = 1 too; docs/composition.md, 'Recomputation'): add --disable-bias-linear or drop mlp "
             "from --recompute-modules (MoE layers are not checkpointed this way: --recompute-modules moe)")
+
+
+def check_mtp_recompute(args) -> None:
+    """Raise ValueError naming ``--recompute-num-layers`` where megatron-core's MTP layer would
+    assert in its first forward (full, uniform recomputation of more than one layer)."""
+    if (getattr(args, "mtp_num_layers", None) and getattr(args, "recompute_granularity", None) == "full"
+            and getattr(args, "recompute_method", None) == "uniform" and getattr(args, "recompute_num_layers", 1) != 1):
+        raise ValueError(
+            f"--recompute-num-layers {args.recompute_num_layers} with --recompute-method uniform and --mtp-num-layers: "
+            "megatron-core's MultiTokenPredictionLayer asserts 'recompute_num_layers must be 1 for MTP recompute' "
+            "in its forward (at CP = 1 too): use --recompute-num-layers 1, or --recompute-method block (which "
+            "megatron-core does not apply to the MTP layers)")
 
 
 def has_dense_mlp_layer(args) -> bool:

@@ -284,3 +284,25 @@ def test_qk_clip_and_the_max_logit_log_need_no_transformer_engine_with_startrail
                            (["--qk-clip-threshold", "0"], "--qk-clip-threshold 0.0 must be greater than 0")):
         with pytest.raises(ValueError, match=re.escape(message)):
             validate_megatron_args(parse(monkeypatch, *startrail, "--qk-clip", *flags))
+
+
+def test_torch_fsdp2_with_per_token_loss_is_refused_by_name(monkeypatch):
+    """megatron-core 0.19.2's FSDP2 wrapper ignores --calculate-per-token-loss (its scale_gradients
+    is the base class's no-op; FSDP2 averages over DP x CP): every first-step gradient comes out
+    (loss tokens / DP x CP) times DDP's, at CP = 1 too (512x at DP1, 256x at DP2, 2 x 256 tokens).
+    Refused before Megatron's validate_args (here a recorder), whatever the CP algorithm; each
+    flag alone passes."""
+    from megatron.training import arguments as megatron_arguments  # noqa: PLC0415
+
+    from megatron_startrail.megatron.arguments import validate_megatron_args  # noqa: PLC0415
+
+    seen = []
+    monkeypatch.setattr(megatron_arguments, "validate_args", lambda args, defaults: seen.append(True))
+    fsdp2 = ("--use-torch-fsdp2", "--untie-embeddings-and-output-weights")
+    for cp in ((), ("--context-parallel-size", "2", "--context-parallel-algo", "startrail")):
+        with pytest.raises(ValueError, match="--use-torch-fsdp2 with --calculate-per-token-loss"):
+            validate_megatron_args(parse(monkeypatch, *fsdp2, "--calculate-per-token-loss", *cp))
+    assert not seen
+    validate_megatron_args(parse(monkeypatch, *fsdp2))
+    validate_megatron_args(parse(monkeypatch, "--calculate-per-token-loss"))
+    assert len(seen) == 2

@@ -311,3 +311,20 @@ def test_megatrons_parsed_moe_flags_with_biases_and_mlp_recomputation(monkeypatc
             validate_startrail_args(args)
     else:
         validate_startrail_args(args)
+
+
+@pytest.mark.parametrize("method, layers, refused", [("uniform", 2, True), ("uniform", 1, False), ("block", 2, False)])
+def test_mtp_with_uniform_recomputation_of_several_layers_is_refused_by_name(monkeypatch, method, layers, refused):
+    """megatron-core's MTP layer asserts recompute_num_layers == 1 (uniform) in its first forward,
+    at CP = 1 as well: StarTrail's validation refuses it first, for any --context-parallel-algo."""
+    from megatron_startrail.megatron.arguments import validate_startrail_args  # noqa: PLC0415
+    from tests.megatron.test_arguments import parse  # noqa: PLC0415
+
+    for cp_flags in (["--context-parallel-size", "2", "--context-parallel-algo", "startrail"], []):
+        args = parse(monkeypatch, "--num-layers", "4", "--mtp-num-layers", "1", "--recompute-granularity", "full",
+                     "--recompute-method", method, "--recompute-num-layers", str(layers), *cp_flags)
+        if refused:
+            with pytest.raises(ValueError, match="--recompute-num-layers 2 with --recompute-method uniform"):
+                validate_startrail_args(args)
+        else:
+            validate_startrail_args(args)
