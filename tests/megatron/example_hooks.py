@@ -70,9 +70,12 @@ def saved_tensor_hooks_around_step(kind: str) -> None:
 
 
 def startrail_attention_at_cp1() -> None:
-    """The example at CP = 1 with StarTrail's core attention in its decoder layers: the model's
-    ``GPTModel`` is built from the StarTrail copy of its layer spec, and Megatron's validation
-    of ``--qk-clip`` / ``--log-max-attention-logit`` is the one for StarTrail attention."""
+    """The example at CP = 1 with StarTrail's core attention in its decoder and MTP layers: the
+    model's ``GPTModel`` is built from the StarTrail copies of its layer and MTP block specs,
+    Megatron's validation of ``--qk-clip`` / ``--log-max-attention-logit`` is the one for
+    StarTrail attention, and the example's checks are those of a StarTrail run (packed documents
+    in the sample layout, ``--dataloader-inter-document-masking``, without Multi-Latent
+    Attention: Megatron's local attention has no THD, StarTrail's has)."""
     from megatron.training import get_args  # noqa: PLC0415
 
     from megatron_startrail.megatron.arguments import validate_megatron_args  # noqa: PLC0415
@@ -86,9 +89,21 @@ def startrail_attention_at_cp1() -> None:
     def with_startrail_attention(*args, transformer_layer_spec, **kwargs):
         if not groups:
             groups.append(initialize_startrail(1, order=megatron_rank_order(get_args())))
+        if kwargs.get("mtp_block_spec") is not None:
+            kwargs["mtp_block_spec"] = to_startrail_spec(kwargs["mtp_block_spec"], groups[0])
         return gpt_model(*args, transformer_layer_spec=to_startrail_spec(transformer_layer_spec, groups[0]), **kwargs)
 
+    validate_example_args = pretrain_gpt.validate_example_args
+
+    def validate_as_startrail(args):
+        algo, args.context_parallel_algo = args.context_parallel_algo, "startrail"
+        try:
+            validate_example_args(args)
+        finally:
+            args.context_parallel_algo = algo
+
     pretrain_gpt.GPTModel = with_startrail_attention
+    pretrain_gpt.validate_example_args = validate_as_startrail
     pretrain_gpt.validate_megatron_args = functools.partial(validate_megatron_args, startrail_attention=True)
 
 

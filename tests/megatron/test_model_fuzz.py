@@ -71,3 +71,14 @@ def test_draws_from_the_commits_seed_equal_cp1(documents):
     print(f"model fuzz: commit seed {seed}, draws 0..{RANDOM_DRAWS - 1}")
     statuses = [_check(seed, i, documents)["status"] for i in range(RANDOM_DRAWS)]
     assert len(statuses) == RANDOM_DRAWS
+
+
+def test_packed_documents_without_a_dense_twin_are_compared_with_startrails_attention_at_cp1(documents):
+    """MTP, virtual stages or a window on packed documents (no MLA): no skip, the reference is the
+    same packed sample at CP = 1 through StarTrail's attention; otherwise Megatron's dense mask."""
+    for index, why in ((27, "MTP 1"), (2, "VPP"), (14, "window 96 (schedule)")):
+        d = model_fuzz.draw(20261128, index, documents)
+        assert why in d.features and d.startrail_reference and d.skip_reason is None, (index, d)
+        assert d.reference == ["--dataloader-inter-document-masking"], d.reference
+    d = model_fuzz.draw(20261128, 0, documents)  # packed, none of the three: the dense twin
+    assert not d.startrail_reference and "--reset-attention-mask" in d.reference
