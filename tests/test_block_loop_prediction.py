@@ -40,3 +40,15 @@ def test_the_session_prints_prediction_beside_measurement():
     want = blp.lookup(preds, 8, 2, 16, 16)
     assert lines[2:] == [f"| 8 | 2 | 16/16 | torch_cuda_cudnn | 68.75 | {want['predicted_ms']:.1f} | 0.80 | "
                          f"{want['predicted_efficiency']:.2f} (torch_cuda_cudnn) |"]
+
+
+def test_help_and_no_write_leave_the_committed_files_alone(tmp_path, capsys):
+    """``--help`` prints the usage (test_documented_commands runs it) and writes nothing; ``--out``
+    writes the table elsewhere, ``--no-write`` only prints it."""
+    out = tmp_path / "prediction.md"
+    with pytest.raises(SystemExit) as exit_:
+        blp.main(["--help", "--out", str(out)])
+    assert exit_.value.code == 0 and "usage" in capsys.readouterr().out and not out.exists()
+    assert blp.main(["--no-write", "--out", str(out)]) == 0 and not out.exists()
+    assert blp.main(["--out", str(out)]) == 0
+    assert out.read_text() == blp.OUT.read_text() and out.with_suffix(".json").exists()

@@ -23,6 +23,7 @@ what the prediction misses of the measurement is theirs and the bandwidth's.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from dataclasses import asdict, dataclass
@@ -133,9 +134,14 @@ def committed() -> list[dict]:
 
 
 def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=OUT, help="the markdown table's path; its .json beside it")
+    p.add_argument("--no-write", action="store_true", help="print the table only")
+    args = p.parse_args(argv)
     preds = predictions()
-    OUT.write_text(markdown(preds))
-    OUT.with_suffix(".json").write_text(json.dumps([asdict(p) for p in preds], indent=1) + "\n")
+    if not args.no_write:
+        args.out.write_text(markdown(preds))
+        args.out.with_suffix(".json").write_text(json.dumps([asdict(p) for p in preds], indent=1) + "\n")
     print("\n".join(table(preds)))
     return 0
 
