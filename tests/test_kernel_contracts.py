@@ -89,25 +89,34 @@ def test_cuda_adapters_meet_the_op_contracts(kernel, name, lengths, window, b, h
             assert (checked == ragged) == (kernel.ragged_op and ragged_fits(call)), (name, checked)
 
 
+class CudnnCalls(OpContracts):
+    """The contract doubles, recording the q / dO (``operands[0]``) and k (``operands[1]``) that reach
+    cuDNN's fused forward (q, k, v, ...) and backward (dO, q, k, v, ...) ops, in call order."""
+
+    OPS = {aten._scaled_dot_product_cudnn_attention.default: 1,  # the k argument's index
+           aten._scaled_dot_product_cudnn_attention_backward.default: 2}
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.k = [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.OPS:
+            self.first.append(tuple(args[0].shape))
+            self.k.append(tuple(args[self.OPS[func]].shape))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
 def test_cudnn_folds_a_dense_call_into_one_launch():
     # Three equal causal sequences at batch 2: one forward and one backward launch, batch 3 x 2.
-    shapes = []
-
-    class Spy(OpContracts):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func in (aten._scaled_dot_product_cudnn_attention.default,
-                        aten._scaled_dot_product_cudnn_attention_backward.default):
-                shapes.append(tuple(args[0].shape))
-            return super().__torch_dispatch__(func, types, args, kwargs)
-
     meta = lambda *shape: torch.empty(*shape, dtype=torch.bfloat16, device="meta")  # noqa: E731
     q, k, v = meta(120, 2, 4, 64), meta(120, 2, 4, 64), meta(120, 2, 4, 64)
     call = KernelCall.back_to_back([(40, 40)] * 3, (-1, 0))
     kernel = TorchCUDACudnnKernel()
-    with Spy():
+    with CudnnCalls() as calls:
         out, lse = kernel.forward(q, k, v, call, scale=0.1)
         kernel.backward(meta(120, 2, 4, 64), q, k, v, out, lse, call, scale=0.1)
-    assert shapes == [(6, 4, 40, 64), (6, 4, 40, 64)]
+    assert calls.first == [(6, 4, 40, 64), (6, 4, 40, 64)]
 
 
 @pytest.mark.parametrize("window, kv_heads_in", [((-1, 0), 2), ((8, 0), 8)], ids=["causal", "window (bias)"])
@@ -115,24 +124,14 @@ def test_cudnn_takes_gqa_kv_heads_as_they_are_unless_a_bias_goes_in(window, kv_h
     # GQA 8/2 on Megatron's fused-QKV views: K/V reach cuDNN's forward and backward at 2 heads
     # (no copies, no dK/dV group sums) where no bias goes in; a window goes in as a bias, and
     # there K/V are expanded to 8 heads (GQA with a bias: unmeasured on a GPU).
-    heads = []
-
-    class Spy(OpContracts):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func in (aten._scaled_dot_product_cudnn_attention.default,
-                        aten._scaled_dot_product_cudnn_attention_backward.default):
-                k = args[1] if func is aten._scaled_dot_product_cudnn_attention.default else args[2]
-                heads.append(k.shape[1])
-            return super().__torch_dispatch__(func, types, args, kwargs)
-
     q, k, v = fused_qkv(64, 2, 8, 2, 64, 64, torch.bfloat16)
     dout = torch.empty(2, 64, 8, 64, dtype=torch.bfloat16, device="meta").transpose(0, 1)
     call = KernelCall.back_to_back([(64, 64)], window)
     kernel = TorchCUDACudnnKernel()
-    with Spy():
+    with CudnnCalls() as calls:
         out, lse = kernel.forward(q, k, v, call, scale=0.1)
         grads = kernel.backward(dout, q, k, v, out, lse, call, scale=0.1)
-    assert heads == [kv_heads_in, kv_heads_in]
+    assert [shape[1] for shape in calls.k] == [kv_heads_in, kv_heads_in]
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
 
 
