@@ -21,12 +21,9 @@ import statistics
 import torch
 import torch.nn.functional as F
 
+from megatron_startrail.kernels.reference import expand_kv_heads, sum_kv_head_groups
+
 _aten = torch.ops.aten
-
-
-def _expand(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """[b, hkv, s, d] -> [b, heads, s, d]: query head i reads K/V head i // (heads / hkv)."""
-    return t.repeat_interleave(heads // t.shape[1], dim=1)
 
 
 def _cudnn(q, k, v, dout, causal):
@@ -52,7 +49,7 @@ def _stand_in(q, k, v, dout, causal):
 def _reference(q, k, v, dout, causal):
     q, k, v = (x.detach().double().requires_grad_(True) for x in (q, k, v))
     h = q.shape[1]
-    out = F.scaled_dot_product_attention(q, _expand(k, h), _expand(v, h), is_causal=causal)
+    out = F.scaled_dot_product_attention(q, expand_kv_heads(k, h), expand_kv_heads(v, h), is_causal=causal)
     out.backward(dout.double())
     return out.detach(), q.grad, k.grad, v.grad
 
@@ -115,10 +112,11 @@ def run(device: str, dtype: torch.dtype, sizes, call) -> list[str]:
 
 
 def _expanded(call, q, k, v, dout, causal):
+    """The adapter's way before it took GQA heads as they are: K/V expanded to the query heads
+    (``kernels.reference.expand_kv_heads``), dK / dV summed back over each group."""
     h, hkv = q.shape[1], k.shape[1]
-    out, dq, dk, dv = call(q, _expand(k, h), _expand(v, h), dout, causal)
-    b, _, s, d = dk.shape
-    return out, dq, dk.view(b, hkv, h // hkv, s, d).sum(2), dv.view(b, hkv, h // hkv, s, d).sum(2)
+    out, dq, dk, dv = call(q, expand_kv_heads(k, h), expand_kv_heads(v, h), dout, causal)
+    return out, dq, sum_kv_head_groups(dk, hkv), sum_kv_head_groups(dv, hkv)
 
 
 def main(argv=None) -> int:
