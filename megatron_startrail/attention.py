@@ -46,7 +46,7 @@ from .groups import StarTrailGroups
 from .halo import halo_attn, halo_plan
 from .kernels import LayerKernel, choose_layer_kernel
 from .initial_send import PieceTransfer
-from .layout import normalize_window
+from .layout import normalize_window, segment_rows
 from .schedule import rotate
 from .sinks import check_sink, local_sink, sink_grad
 from .team import gather_team_and_send, team_segments
@@ -69,8 +69,17 @@ def _sub_ring_forward(comm, groups, docs, kernel, transfer, q_team, kv_init: Pie
     topo, pos = groups.topology, groups.startrail_rank
     rows = q_team.shape[0]
     fresh = blocks.FreshRows(rows)  # Note [fresh rows] in blocks.py
-    acc_out, acc_lse = blocks.new_partials(q_team, kv_init.tensor.shape[-1] - q_team.shape[-1], fresh)
+    dv = (kv_init.tensor if kv_init.tensor is not None else kv_init.piece(0)).shape[-1] - q_team.shape[-1]
+    acc_out, acc_lse = blocks.new_partials(q_team, dv, fresh)
     q_segments = team_segments(groups, docs, topo.team_of(pos))
+    if kv_init.tensor is None:  # a buffer per piece (Note [kept pieces]): one position, nothing circulates
+        kv_segments = team_segments(groups, docs, topo.kv_team_at_step(pos, 0))
+        for j, (a, b) in enumerate(kv_init.bounds):  # step 0 alone: each piece as it lands
+            blocks.forward_step(kernel, q_team, kv_init.piece(j), q_segments, segment_rows(kv_segments, a, b),
+                                acc_out, acc_lse, causal=causal, scale=scale, window=window,
+                                max_rows=rows // groups.team_size, fresh=fresh, max_logit=max_logit)
+        blocks.fill_unseen(acc_out, acc_lse, fresh)
+        return acc_out, acc_lse
     kv_rot = LaneSplit(
         sub_ring_lanes(topo, pos, transfer), rows,
         lambda origin: team_segments(groups, docs, topo.kv_team_at_step(origin, 0)),
@@ -129,6 +138,13 @@ def layer_kernel(q, k, v, groups: StarTrailGroups, causal: bool, window, cu_seql
     return choose_layer_kernel(q, k, v, groups.kernel, groups.config.deterministic, mask=mask, packed=packed)
 
 
+def keeps_pieces(groups: StarTrailGroups, rotation: str, regather: bool) -> bool:
+    """Note [kept pieces] (backward.py): whether the forward keeps the initial send's K, V as a
+    tensor per piece, which the backward frees piece by piece."""
+    return (rotation == "q" and not regather and groups.team_size > 1
+            and groups.topology.one_position_sub_rings)
+
+
 def regathers_for_free(groups: StarTrailGroups) -> bool:
     """Phases 1-2 move nothing on this rank (C = 1, initial send to itself: ring attention),
     so the backward always rebuilds their output from the inputs instead of keeping it."""
@@ -156,16 +172,21 @@ class _StarTrailAttention(torch.autograd.Function):
         # chosen at the entry (startrail_attn), the one the forward's and backward's block steps call
         kernel = layer.kernel
         comm = Communicator(fwd_stats, groups.transports_on(q.device)[0], timeline)
+        ctx.regather = regather or regathers_for_free(groups)
+        # Note [kept pieces]: rotation "q" on one-position sub-rings keeps K, V a piece per buffer
+        ctx.kept_pieces = keeps_pieces(groups, rotation, ctx.regather)
         q_team, kv_init = gather_team_and_send(comm, groups, q, k, v, gather_op="team_all_gather",
-                                                send_op="init_send")
+                                                send_op="init_send", whole=not ctx.kept_pieces)
         best = max_logits.new_accumulator(q) if max_logit else None
         partials = list(_sub_ring_forward(comm, groups, docs, kernel, transfer, q_team, kv_init, causal=causal,
                                           scale=scale, window=window, max_logit=best))
-        ctx.regather = regather or regathers_for_free(groups)
         # What the backward does not take is freed before the merge (peak memory): the team's
         # Q unless rotation "kv" keeps it, the initial send's K, V when regathering; the
         # partial results are dropped inside the merge once exchanged.
-        kept_kv = None if ctx.regather else kv_init.tensor
+        if ctx.kept_pieces:
+            kept_kv = [kv_init.piece(j) for j in range(len(kv_init.bounds))]
+        else:
+            kept_kv = [] if ctx.regather else [kv_init.tensor]
         kept_q_team = q_team if not ctx.regather and rotation != "q" else None
         del q_team, kv_init
         out, lse = _team_merge(comm, groups, partials, q.dtype, sink)  # with the sink: what the backward takes
@@ -173,12 +194,13 @@ class _StarTrailAttention(torch.autograd.Function):
         if ctx.regather:
             ctx.save_for_backward(q, k, v, out, lse)
         elif rotation == "q":  # the backward takes the team's queries member by member: keep only this rank's
-            ctx.save_for_backward(q, kept_kv, out, lse)
+            ctx.save_for_backward(q, *kept_kv, out, lse)
         else:
-            ctx.save_for_backward(kept_q_team, kept_kv, out, lse)
+            ctx.save_for_backward(kept_q_team, *kept_kv, out, lse)
+        del kept_kv
         ctx.groups, ctx.docs, ctx.causal, ctx.scale, ctx.kernel = groups, docs, causal, scale, kernel
         ctx.rotation, ctx.transfer, ctx.bwd_stats, ctx.timeline = rotation, transfer, bwd_stats, timeline
-        ctx.window, ctx.sink = window, sink
+        ctx.window, ctx.sink, ctx.kept_pieces_freed = window, sink, False
         if best is None:
             return out
         best = max_logits.finish(best, scale)  # [h] of the heads this rank attends

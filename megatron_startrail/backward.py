@@ -142,6 +142,23 @@ def _reduce_reverse_pieces(comm, groups, reverse: ReverseInitialSend) -> torch.T
 # and steps are unchanged.
 
 
+# Note [kept pieces]
+# ------------------
+# Without regathering the forward keeps the initial send's K, V for the backward: C pieces of
+# n rows. Piece-major rotation q (one position per sub-ring) is done with piece j once its C
+# passes are computed and its dK, dV sent back, but autograd holds every saved tensor until
+# the backward returns: kept as one [C*n] tensor, all C pieces stay to the end (2 C shares of
+# a rank's k with MHA, the largest term at the backward's peak). So there the forward lands
+# the pieces in a buffer each (team.streamed_team_send(whole=False), as the regathering
+# backward does; with one position nothing circulates, so the forward attends to each piece as
+# it lands: attention._sub_ring_forward), saves them apart, and the backward frees piece j's
+# storage (``untyped_storage().resize_(0)``) when it sends piece j's dK, dV back. The storages
+# are the forward's own landings (or what saved-tensor hooks unpacked), read by nothing after.
+# A second backward through the same graph (retain_graph=True) would find them empty: it is
+# refused by name. Measured, CPU heap harness (benchmarks/counters/peak_memory.py), P16 C4,
+# float32 MHA: peak 25.1 -> 21.1 shares of a rank's q (ring 17.0).
+
+
 def backward_q(ctx, dout, saved: list):
     """The backward with rotation "q" (paper 3.2.1: K, V fixed; Q, dO, out, lse and dQ
     circulate), streamed member by member (Note [streamed rotation q]), and piece by piece
@@ -151,10 +168,20 @@ def backward_q(ctx, dout, saved: list):
     comm = Communicator(ctx.bwd_stats, groups.transports_on(dout.device)[0], ctx.timeline)
     topo, pos, c = groups.topology, groups.startrail_rank, groups.team_size
     piece_major = topo.one_position_sub_rings
+    kept = None  # the forward's K, V pieces, freed here one by one (Note [kept pieces])
     if ctx.regather:  # phase 2 again (K, V only: the queries come member by member)
         q, k, v, out, lse = saved
         _, kv_init = gather_team_and_send(comm, groups, q, k, v, gather_op="regather_team_all_gather",
                                            send_op="regather_init_send", gather_q=False, whole=not piece_major)
+    elif ctx.kept_pieces:
+        if ctx.kept_pieces_freed:
+            raise RuntimeError(
+                "StarTrail's backward with rotation q freed the K, V pieces its forward kept (peak memory): "
+                "a second backward through the same graph (retain_graph=True) needs "
+                "--startrail-regather-in-backward or --startrail-backward-rotation kv")
+        q, *kept, out, lse = saved
+        kv_init = PieceTransfer.kept(kept)
+        ctx.kept_pieces_freed = True
     else:
         q, kv_team, out, lse = saved
         kv_init = PieceTransfer.local(kv_team, c)
@@ -174,6 +201,8 @@ def backward_q(ctx, dout, saved: list):
     def send_back(j: int) -> None:  # piece j's rows of dK, dV are final
         fresh_kv.pop(j).fill(lambda a, b: dkv[j][a:b].zero_())
         kv_init.release(j)
+        if kept is not None:  # its storage goes now, though autograd holds the saved tensor to the end
+            kept[j].untyped_storage().resize_(0)
         reducer.through(j - 1)  # the previous piece has had this one's compute to land
         reducer.reverse.send(j, dkv.pop(j))  # its landing made once the previous one is freed
 

@@ -10,6 +10,8 @@ piece by piece as each becomes final.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from .comm import Communicator, PendingP2P
@@ -37,6 +39,14 @@ class PieceTransfer:
         """A tensor already here, cut into the same pieces as a transfer of it would be."""
         bounds = split_rows(tensor.shape[0], pieces)
         return cls(bounds, lambda j: (None, tensor[bounds[j][0]:bounds[j][1]]), ahead=pieces, tensor=tensor)
+
+    @classmethod
+    def kept(cls, pieces: list[torch.Tensor]) -> PieceTransfer:
+        """Pieces already here, each its own tensor (the forward's kept pieces, Note [kept
+        pieces] in backward.py)."""
+        ends = list(itertools.accumulate(p.shape[0] for p in pieces))
+        bounds = [(end - p.shape[0], end) for end, p in zip(ends, pieces)]
+        return cls(bounds, lambda j: (None, pieces[j]), ahead=len(pieces))
 
     def _post_through(self, last: int) -> None:
         while len(self._posted) <= min(last, len(self.bounds) - 1):

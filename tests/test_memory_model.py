@@ -94,10 +94,12 @@ def test_piece_major_rotation_q_backward_peaks_near_ring_at_c4(fake_cuda_rows):
     # The bars were set against ring's peak when its rotation "kv" still held a concatenated
     # dO | out and each call's dense copies of them (2 n h dv e each; FREED_SINCE_THE_H100): they
     # are added back so that the bars keep guarding the piece-major path. Against today's ring
-    # (1062 -> 793 MB here), C = 4 rotation "q" is 1.53x (1.40x regathering): issue 55, item 4.
+    # (1062 -> 793 MB here), C = 4 rotation "q" is 1.40x with or without regathering: issue 55, item 4.
     ring += 2 * (2 * (2**17 // 16) * 32 * 128 * 2)
-    assert rows[(4, "q", False)]["backward_peak"] <= 1.3 * ring
-    assert rows[(4, "q", True)]["backward_peak"] <= 1.15 * ring
+    # Without regathering the backward frees each kept piece of K, V as it is done (Note [kept
+    # pieces] in backward.py): 1.14x -> 1.05x, as low as regathering; held to the end it fails.
+    assert rows[(4, "q", False)]["backward_peak"] <= 1.1 * ring
+    assert rows[(4, "q", True)]["backward_peak"] <= 1.1 * ring
 
 
 def test_regathering_keeps_what_ring_keeps_and_the_model_says_so(measured):

@@ -82,7 +82,33 @@ def piece_major_worker(rank, world_size, team_size):
             if not max(errors.values()) <= TOLERANCE[torch.float32] or pad_nonzero:
                 failures.append(f"packed {layout} regather={regather}: errors {errors}, {pad_nonzero} nonzero padding")
             checked += 1
+    failures += kept_pieces_failures(groups, team_size)
     return failures, checked
+
+
+def kept_pieces_failures(groups, team_size) -> list[str]:
+    """Note [kept pieces]: without regathering the forward keeps K, V as C tensors, and the
+    backward frees each one's storage (though autograd holds them to its end); a second
+    backward through the graph is refused by name, on every rank before any communication."""
+    gen = torch.Generator().manual_seed(groups.startrail_rank)
+    q, k, v, dout = (torch.randn(2 * CHUNK, 1, HEADS, 8, generator=gen) for _ in range(4))
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = startrail_attn(q, k, v, groups, causal=True, regather_in_backward=False)
+    pieces = [t for t in saved if t.shape == (2 * CHUNK, 1, HEADS, 16)]  # [n, b, hkv, dqk + dv]
+    if len(pieces) != team_size or not all(p.untyped_storage().nbytes() > 0 for p in pieces):
+        return [f"kept: {[tuple(t.shape) for t in saved]}, not {team_size} pieces of K | V"]
+    out.backward(dout, retain_graph=True)
+    if any(p.untyped_storage().nbytes() for p in pieces):
+        return [f"kept pieces not freed by the backward: {[p.untyped_storage().nbytes() for p in pieces]}"]
+    try:
+        out.backward(dout)
+    except RuntimeError as error:
+        if "--startrail-regather-in-backward" not in str(error):
+            return [f"a second backward: {error}"]
+        return []
+    return ["a second backward through the graph ran on freed pieces"]
 
 
 @pytest.mark.parametrize("world_size, team_size", [(4, 2), (16, 4)])

@@ -224,10 +224,11 @@ def _kv_backward_terms(x: _Layer) -> dict[str, int]:
 def _piece_major_terms(x: _Layer) -> dict[str, int]:
     """Rotation "q" with one position per sub-ring (Note [piece-major rotation q]): one piece of K, V at a time."""
     # While piece j computes: K, V regathered: piece j, [the next one landing and its send
-    # buffer]; dK, dV: piece j's, [the previous piece's, still being sent, and its reverse landing;
+    # buffer]; kept (Note [kept pieces] in backward.py): pieces j .. C-1, the earlier ones freed;
+    # dK, dV: piece j's, [the previous piece's, still being sent, and its reverse landing;
     # this rank's own rows, reduced once piece j-1 is sent back, after piece member+1's compute].
     def pieces(j: int) -> int:
-        kv = (1 + (j < x.c - 1) * (1 + x.init)) * x.ekv * x.e if x.regathers else 0
+        kv = ((1 + (j < x.c - 1) * (1 + x.init)) if x.regathers else x.c - j) * x.ekv * x.e
         return kv + (1 + (j >= 1) * (1 + x.init) + (j >= x.member + 2)) * x.ekv * x.a
 
     return {"one member's q, dO, out, lse": (x.eq + 2 * x.eo) * x.e + x.el * x.a, "dQ": 2 * x.eq * x.a,
@@ -283,7 +284,10 @@ def backward_terms(x: _Layer) -> dict[str, int]:
     """The backward's peak (at a kernel call of a sub-ring step), term by term."""
     terms = _kv_backward_terms(x) if x.rotation == "kv" else (
         _piece_major_terms(x) if x.one_position else _streamed_q_terms(x, x.pos))
-    return {"ulysses": x.ulysses, "kept": _kept(x), **terms}
+    kept = _kept(x)
+    if x.rotation == "q" and x.one_position and not x.regathers and x.c > 1:
+        kept -= x.team_kv  # the kept pieces of K, V: counted piece by piece (_piece_major_terms)
+    return {"ulysses": x.ulysses, "kept": kept, **terms}
 
 
 def layer_memory_terms(shape: AttentionShape, *, cp_size: int, team_size: int, ulysses_size: int = 1,

@@ -10,7 +10,10 @@ itself and frees before it returns (the meta kernels allocate none) -- is charge
 duration, beside its outputs: :func:`workspace_bytes`, the memory model's own figures
 (``megatron_startrail/planning/workspace.py``) for the op's real call shape. torch keeps one Python object per storage while any tensor uses it,
 so a weak reference to it dies with the last tensor (autograd's saved tensors, a pending P2P's
-buffer and the like hold it as long as they should).
+buffer and the like hold it as long as they should). A storage resized while it lives
+(``untyped_storage().resize_(0)``: the backward freeing the forward's kept K, V pieces though
+autograd holds them to its end, Note [kept pieces] in backward.py) is not an op the mode sees:
+``UntypedStorage.resize_`` is wrapped while the mode is on, and the live bytes follow it.
 """
 
 from __future__ import annotations
@@ -68,6 +71,28 @@ class LiveStorages(TorchDispatchMode):
     @property
     def peak(self) -> int:
         return max(self.peaks.values(), default=self.live)
+
+    def __enter__(self):
+        resize, tracker = torch.UntypedStorage.resize_, self
+
+        def resize_tracked(storage, nbytes):
+            result = resize(storage, nbytes)
+            tracker._resized(storage)
+            return result
+
+        self._resize, torch.UntypedStorage.resize_ = resize, resize_tracked
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*exc)
+
+    def _resized(self, storage) -> None:
+        key = id(storage)
+        if key in self._storages:
+            ref, old, what = self._storages[key]
+            self._storages[key] = (ref, storage.nbytes(), what)
+            self.live += storage.nbytes() - old
 
     def reset_peak(self) -> None:
         self.peaks = {self.phase: self.live}
