@@ -45,7 +45,7 @@ def test_the_session_prints_prediction_beside_measurement():
 def test_help_and_no_write_leave_the_committed_files_alone(tmp_path, capsys):
     """``--help`` prints the usage (test_documented_commands runs it) and writes nothing; ``--out``
     writes the table elsewhere, ``--no-write`` only prints it."""
-    out = tmp_path / "prediction.md"
+    out = tmp_path / "prediction.txt"  # (the table, markdown; its .json beside it)
     with pytest.raises(SystemExit) as exit_:
         blp.main(["--help", "--out", str(out)])
     assert exit_.value.code == 0 and "usage" in capsys.readouterr().out and not out.exists()
