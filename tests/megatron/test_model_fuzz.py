@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 MAIN_SEED = 20261127  # the seed of the committed table, benchmarks/results/model_fuzz.md
 # Draws of MAIN_SEED chosen for what they cover (their rows in the committed table): 4 SP, MLA, selective
 # layernorm+mla_up_proj, MTP, Ulysses, save and resume; 11 selective mlp with biases (refused
-# by name); 12 hybrid CP with recomputation; 20 MoE at TP2 with SP and recomputation, a halo
+# by name); 20 MoE at TP2 with SP and recomputation, a halo
 # window, a repeated MTP layer, forward-only passes in train mode; 28 per-token loss over EOD
 # masks with MTP 2 and recomputation, regathering, a second model; 37 an abandoned forward,
 # recomputation, Ulysses; 56 MLA, MoE, per-token loss over EOD masks, an abandoned forward;
@@ -30,9 +30,13 @@ MAIN_SEED = 20261127  # the seed of the committed table, benchmarks/results/mode
 # save_on_cpu; 37 the max-logit log, torch's non-reentrant checkpoint; and 165 adds --qk-clip
 # (clipping from step 1, qk-layernorm, per-token loss over EOD masks, save_on_cpu) in place of
 # draw 2 (8 ranks against 2; its one feature no other fixed draw has, off-by-one sinks, is
-# test_gpt_sinks.py's at model level).
+# test_gpt_sinks.py's at model level). Draw 12 (hybrid CP over 8 with full recomputation, the
+# slice's slowest: 42 s of a 30-min suite) left it for the suite's time (issue 56): the same
+# layout, recomputation and packed samples train as CP = 1 in
+# test_recompute.py::test_hybrid_context_parallelism_with_full_recomputation_trains_as_cp1, now
+# with its GQA 8/2 too; it stays in the committed table.
 FIXED = [int(i) for i in os.environ.get("STARTRAIL_FUZZ_FIXED", "").split(",") if i] or [
-    4, 11, 12, 20, 28, 37, 56, 85, 110, 111, 165]
+    4, 11, 20, 28, 37, 56, 85, 110, 111, 165]
 RANDOM_DRAWS = int(os.environ.get("STARTRAIL_FUZZ_DRAWS", "4"))
 
 
