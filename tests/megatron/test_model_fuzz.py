@@ -70,10 +70,27 @@ def test_a_fixed_slice_of_draws_equals_cp1(index, documents):
     _check(MAIN_SEED, index, documents)
 
 
+# The commit's draws run at most this many ranks: on CI's 2 cores a 16-rank run (CP16) costs
+# three or four 8-rank draws, so the suite's time swung with the commit hash (56 s on one
+# commit, 96 s on the next). CP16 stays in the fixed slice (draw 110) and the committed tables.
+MAX_RANKS = 8
+
+
+def commit_draws(seed: int, documents: str, count: int) -> list[int]:
+    """The first ``count`` indices of ``seed`` whose StarTrail run has at most MAX_RANKS ranks."""
+    indices, i = [], 0
+    while len(indices) < count:
+        if model_fuzz.draw(seed, i, documents).startrail_ranks <= MAX_RANKS:
+            indices.append(i)
+        i += 1
+    return indices
+
+
 def test_draws_from_the_commits_seed_equal_cp1(documents):
     seed = commit_seed()
-    print(f"model fuzz: commit seed {seed}, draws 0..{RANDOM_DRAWS - 1}")
-    statuses = [_check(seed, i, documents)["status"] for i in range(RANDOM_DRAWS)]
+    indices = commit_draws(seed, documents, RANDOM_DRAWS)
+    print(f"model fuzz: commit seed {seed}, draws {indices}")
+    statuses = [_check(seed, i, documents)["status"] for i in indices]
     assert len(statuses) == RANDOM_DRAWS
 
 
