@@ -15,6 +15,7 @@ Each draw ends as one of:
               CP = 1 twin: sharded runs that differ from DDP without StarTrail,
               ``_fsdp_without_twin``); the StarTrail run still runs: refused if a check stops
               it by name, else skipped with how it ended
+    error     anything else (a crash after step 1, an unnamed refusal): a failure too
 
 Packed documents (sample layout) without MLA are compared with Megatron's dense per-document
 mask at CP = 1 (``--reset-attention-mask``), except where that twin cannot hold: with MTP
@@ -23,7 +24,6 @@ mask) and sliding windows (the local softmax replaces the mask by the window's).
 reference is the same packed sample at CP = 1 through StarTrail's attention
 (``--dataloader-inter-document-masking``, tests/megatron/example_hooks.startrail_attention_at_cp1;
 Megatron's own MTP roll at CP = 1), marked "reference: StarTrail at CP = 1" in the table.
-    error     anything else (a crash after step 1, an unnamed refusal): a failure too
 
 The draw space (``draw``): TP 1/2, PP 1/2 with virtual stages, sequence parallel; MHA / GQA;
 RoPE, learned absolute, no position embedding, NoPE layers; recomputation full (uniform /
@@ -99,7 +99,7 @@ class Draw:
     wrap: str = "none"  # every layer in torch's checkpoint (tests/megatron/example_hooks.WRAPS)
     saved_tensor_hooks: str = "none"  # every step inside saved-tensor hooks (example_hooks.SAVED_TENSOR_HOOKS)
     max_logit: bool = False  # --qk-clip / --log-max-attention-logit: the reference has StarTrail attention
-    startrail_reference: bool = False  # packed documents with no dense-mask twin: the same (draw)
+    startrail_reference: bool = False  # packed documents with no dense-mask twin: StarTrail at CP = 1 (draw)
 
 
 def _pick(rng: random.Random, *options):
