@@ -35,6 +35,12 @@ def _cached_field_docstrings(factory, cls: type) -> dict[str, str]:
 argument_utils.ArgumentGroupFactory._get_field_docstrings = _cached_field_docstrings
 arguments.add_megatron_arguments(argparse.ArgumentParser())
 
+# Megatron builds its tokenizer (NullTokenizer here) through megatron.core.tokenizers.text, whose
+# package imports every tokenizer library it wraps: with `transformers` installed (Megatron-Bridge's
+# tests need it) that is ~1,000 modules, 3-7 s of CPU in every forked rank of every run, the
+# largest item of an 8-rank example run's profile. Imported once here, inherited by the forks.
+import megatron.core.tokenizers.text  # noqa: E402,F401
+
 _spec = importlib.util.spec_from_file_location("pretrain_gpt", os.path.join(ROOT, "examples", "pretrain_gpt.py"))
 pretrain_gpt = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(pretrain_gpt)
