@@ -47,13 +47,18 @@ ATTENTION_OPS = set().union(*KERNEL_OPS.values())
 
 def cases(quick: bool = False):
     """(P, C, layout, rotation, regather, kernel): every (P, C) x layout x rotation x regathering with
-    torch's flash kernel; the other kernels on P8 C2 and P16 C4 without regathering."""
+    torch's flash kernel; the other kernels on P8 C2 and P16 C4 without regathering, except the
+    memory-efficient kernel on the document layout at P16 C4. That adapter launches once per
+    document piece of a call (its op takes no ``cu_seqlens``): those two cases dispatched ~27,000
+    ops each and took 68 of the matrix's 308 CPU-seconds, for the code path P8 C2 already runs
+    (issue 56: the suite's time)."""
     teams = [(8, 1), (8, 2), (16, 1), (16, 2), (16, 4)]
     layouts, rotations = ("dense", "sample", "document"), ("q", "kv")
     out = [(p, c, lay, rot, rg, "torch_cuda_flash")
            for (p, c), lay, rot, rg in itertools.product(teams, layouts, rotations, (False, True))]
     out += [(p, c, lay, rot, False, k) for k in ("torch_cuda_efficient", "flash_attn")
-            for (p, c), lay, rot in itertools.product([(8, 2), (16, 4)], layouts, rotations)]
+            for (p, c), lay, rot in itertools.product([(8, 2), (16, 4)], layouts, rotations)
+            if (k, p, lay) != ("torch_cuda_efficient", 16, "document")]
     return out[:: 7] if quick else out
 
 
