@@ -19,3 +19,20 @@ def pytest_ignore_collect(collection_path, config):
         return None
     asked = any(os.path.abspath(str(arg).split("::")[0]).startswith(bridge) for arg in config.args)
     return None if asked else True
+
+
+def pytest_collection_finish(session):
+    """Start the subprocesses that selected tests will read (tests/early.py), now, so that they
+    run while the tests before theirs leave a core idle."""
+    from tests import early  # noqa: PLC0415
+
+    if session.config.option.collectonly:
+        return
+    early.start_selected([(str(item.path.resolve()), getattr(item, "originalname", item.name))
+                          for item in session.items])
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from tests import early  # noqa: PLC0415
+
+    early.stop_all()

@@ -13,61 +13,58 @@ they skip and say which.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
+from tests import early
 from tests.fake_cuda.build import build_shim, why_not_buildable
 from tests.fake_cuda.kernel_matrix import ADAPTERS
 from tests.fake_cuda.matrix import KERNEL_OPS, cases
-from tests.fake_cuda.run import start_fake_cuda
+from tests.fake_cuda.run import fake_cuda_command, fake_cuda_env
 
 
-@pytest.fixture(scope="session")
-def shim(tmp_path_factory):
+# The children, read as the tests need them: the matrix in MATRIX_SHARDS interleaved shards, the
+# kernel matrix and the self-check side by side on the machine's cores (one after another they
+# took 230 s of a quiet 2-core run's wall time, one core idle). Started with the session
+# (tests/early.py: they run while the tests before this module leave a core idle).
+MATRIX_SHARDS = 2
+CHILDREN = {f"matrix {i}": ("tests.fake_cuda.matrix", "--shard", f"{i}/{MATRIX_SHARDS}") for i in range(MATRIX_SHARDS)}
+CHILDREN.update(kernel_matrix=("tests.fake_cuda.kernel_matrix",), selfcheck=("tests.fake_cuda.selfcheck",))
+
+
+@early.recipe("fake-cuda-rehearsal", __file__)
+def start_children(directory: Path):
+    """{name: early.Process} of the children, or why the shim cannot be built here (a skip reason)."""
     why = why_not_buildable()
     if why is not None:
-        pytest.skip(why)
-    return build_shim(tmp_path_factory.mktemp("fake_cuda"))
-
-
-# The children, started together and read as the tests need them: the matrix in MATRIX_SHARDS
-# interleaved shards, the kernel matrix and the self-check side by side on the machine's cores
-# (one after another they took 230 s of a quiet 2-core run's wall time, one core idle).
-MATRIX_SHARDS = 2
-
-
-class Child:
-    def __init__(self, shim, directory, module: str, *args: str):
-        self.out, self.log = directory / "out.json", open(directory / "log.txt", "w+")
-        self.proc = start_fake_cuda(shim, module, *args, "--json", str(self.out), log=self.log)
-
-    def result(self):
-        code = self.proc.wait(timeout=900)
-        self.log.seek(0)
-        assert code == 0 and self.out.exists(), self.log.read()[-6000:]
-        return json.loads(self.out.read_text())
-
-    def stop(self):
-        if self.proc.poll() is None:  # a test failed before reading it
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
+        return why
+    shim = build_shim(directory / "shim")
+    # (directories without spaces: LD_PRELOAD is a space-separated list)
+    return {name: early.Process(fake_cuda_command(module, *args, "--json", str(directory / name.replace(" ", "-") /
+                                                                           "out.json")),
+                                fake_cuda_env(shim), directory / name.replace(" ", "-"))
+            for name, (module, *args) in CHILDREN.items()}
 
 
 @pytest.fixture(scope="module")
-def children(shim, tmp_path_factory):
-    started = {f"matrix {i}": ("tests.fake_cuda.matrix", "--shard", f"{i}/{MATRIX_SHARDS}")
-               for i in range(MATRIX_SHARDS)}
-    started.update(kernel_matrix=("tests.fake_cuda.kernel_matrix",), selfcheck=("tests.fake_cuda.selfcheck",))
-    running = {name: Child(shim, tmp_path_factory.mktemp("rehearsal"), *how) for name, how in started.items()}
-    yield running
-    for child in running.values():
-        child.stop()
+def children():
+    running = early.started("fake-cuda-rehearsal")
+    if isinstance(running, str):
+        pytest.skip(running)
+    return running
+
+
+def result(child: early.Process):
+    code, log = child.finish(timeout=900)
+    out = child.directory / "out.json"
+    assert code == 0 and out.exists(), log[-6000:]
+    return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")
 def matrix(children):
-    return [record for i in range(MATRIX_SHARDS) for record in children[f"matrix {i}"].result()]
+    return [record for i in range(MATRIX_SHARDS) for record in result(children[f"matrix {i}"])]
 
 
 def failing(matrix, wrong):
@@ -95,7 +92,7 @@ def test_the_torch_ops_met_their_contracts(matrix):
 
 @pytest.fixture(scope="module")
 def kernel_matrix(children):
-    return children["kernel_matrix"].result()
+    return result(children["kernel_matrix"])
 
 
 def test_cuda_adapters_meet_the_op_contracts_call_by_call(kernel_matrix):
@@ -147,7 +144,7 @@ def test_the_package_asks_torch_cuda_nothing_a_cpu_build_cannot_answer(matrix):
 
 
 def test_the_rules_catch_what_they_are_for(children):
-    got = children["selfcheck"].result()
+    got = result(children["selfcheck"])
     assert got["known"] == 7  # a host read of a device value runs (its value followed on the CPU)...
     assert [s[1].split(":")[0].rsplit("/", 2)[-2:] for s in got["syncs"]] == [["fake_cuda", "selfcheck.py"]]  # a sync
     to_device, to_host = got["copies"]

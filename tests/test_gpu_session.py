@@ -6,7 +6,6 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -15,6 +14,7 @@ import torch
 from benchmarks.gpu import check as gpu_check
 from benchmarks.gpu import session as gpu_session
 from benchmarks.gpu import session_probes as gpu_session_probes
+from tests import early
 from tests.fake_cuda.build import why_not_buildable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,16 +22,29 @@ FILE_LIMIT = 8  # the device tool brings back at most 8 files from $OUT
 LEASE_COMMAND_S = 480  # issue 50: at most 8 minutes on an H100
 
 
-def test_session_selfcheck_runs_every_part(tmp_path):
+def _selfcheck_parts() -> list[str]:
     parts = list(gpu_session.ORDER)
     if why_not_buildable() is not None:  # the GPT part's self-check runs on fake CUDA
         parts.remove("gpt")
+    return parts
+
+
+@early.recipe("gpu-session-selfcheck", __file__, tests=("test_session_selfcheck_runs_every_part",))
+def start_selfcheck(directory):
+    """The script's CPU self-check, started with the session (tests/early.py), its files in ``directory/out``."""
     # The script runs $PYTHON (else python3 from PATH): this test's own interpreter, venv or not.
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHON=sys.executable)
-    proc = subprocess.run(["bash", "scripts/gpu_session.sh", "--cpu-selfcheck", "--out", str(tmp_path),
-                           "--parts", ",".join(parts)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=1800)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (directory / "out").mkdir(parents=True)
+    return early.Process(["bash", "scripts/gpu_session.sh", "--cpu-selfcheck", "--out", str(directory / "out"),
+                          "--parts", ",".join(_selfcheck_parts())], env, directory)
+
+
+def test_session_selfcheck_runs_every_part():
+    parts = _selfcheck_parts()
+    selfcheck = early.started("gpu-session-selfcheck")
+    code, log = selfcheck.finish(timeout=1800)
+    assert code == 0, log[-6000:]
+    tmp_path = selfcheck.directory / "out"
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == ["gpu_check.json", "gpu_check.md", "gpu_session.json", "gpu_session.log", "gpu_session.md"]
     assert len(files) <= FILE_LIMIT

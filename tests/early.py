@@ -1,0 +1,108 @@
+"""Subprocesses that a test reads, started when the pytest session starts.
+
+Why: a CI run of the suite on 2 cores kept 1.6 of them busy on average (user + sys 2505 s over
+1557 s of wall time on 16bc3e0): single-process tests and the ranks' start-ups leave a core
+idle. Two tests wait on long subprocesses of their own, which used to start at the test's
+turn: the fake-CUDA rehearsal's four children (~110 s of wall time, both cores) and the GPU
+session's CPU self-check (~45 s, one core). Started at the start of the session, they run in
+that idle time, and the test reads what they wrote when its turn comes.
+
+A test module registers its start function with :func:`recipe`; ``tests/conftest.py`` calls
+:func:`start_selected` once collection is done, which starts the recipes that a selected test
+reads (so ``pytest -k something_else`` starts nothing), and :func:`stop_all` at the end of the
+session. A recipe whose module is run on its own path is started by its test's
+first call to :func:`started` instead: the same run, only later.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Process:
+    """One subprocess with its output in ``directory/log.txt`` (a pipe left unread would stall it)."""
+
+    def __init__(self, argv: list[str], env: dict, directory: Path):
+        directory.mkdir(parents=True, exist_ok=True)
+        self.directory = directory
+        self.log = open(directory / "log.txt", "w+")
+        self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+
+    def finish(self, timeout: float) -> tuple[int, str]:
+        """Its exit code and everything it printed, once it has ended."""
+        code = self.proc.wait(timeout=timeout)
+        self.log.seek(0)
+        return code, self.log.read()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:  # its test failed or was deselected before reading it
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+# name -> (the test module's file, the names of the tests that read it (None: every test of the
+# module), start(directory) -> what the tests read: Process objects in any structure)
+_RECIPES: dict[str, tuple[str, tuple[str, ...] | None, Callable[[Path], Any]]] = {}
+_STARTED: dict[str, Any] = {}
+_DIRECTORY: list[Path] = []
+
+
+def recipe(name: str, module_file: str, tests: tuple[str, ...] | None = None):
+    """Register ``start(directory)`` under ``name`` (a directory's name: no spaces, which would
+    split an ``LD_PRELOAD`` path) for the tests ``tests`` (function names; None: all) of the
+    test module ``module_file``."""
+    def register(start: Callable[[Path], Any]):
+        _RECIPES[name] = (str(Path(module_file).resolve()), tests, start)
+        return start
+    return register
+
+
+def _directory() -> Path:
+    if not _DIRECTORY:
+        _DIRECTORY.append(Path(tempfile.mkdtemp(prefix="startrail_early_")))
+    return _DIRECTORY[0]
+
+
+def started(name: str) -> Any:
+    """What ``name``'s start function returned: started at the session's start, or now."""
+    if name not in _STARTED:
+        _STARTED[name] = _RECIPES[name][2](_directory() / name)
+    return _STARTED[name]
+
+
+def start_selected(selected: list[tuple[str, str]]) -> list[str]:
+    """Start every recipe that a selected test reads (``selected``: (module file, test function
+    name) per test); the names started."""
+    names = [name for name, (module, tests, _) in _RECIPES.items() if name not in _STARTED and
+             any(file == module and (tests is None or test in tests) for file, test in selected)]
+    for name in names:
+        started(name)
+    return names
+
+
+def _processes(value: Any):
+    if isinstance(value, Process):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _processes(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _processes(item)
+
+
+def stop_all() -> None:
+    for value in _STARTED.values():
+        for process in _processes(value):
+            process.stop()
+    _STARTED.clear()
+    for directory in _DIRECTORY:
+        shutil.rmtree(directory, ignore_errors=True)
+    _DIRECTORY.clear()
