@@ -4,7 +4,6 @@ kernels, each in its own process as on a GPU (``tests/gpu_check_faults.py`` hold
 parts the kit is handed here)."""
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -15,6 +14,7 @@ from benchmarks.gpu import check_kernels as gpu_check_kernels
 from benchmarks.gpu.check_kernels import AccuracyRow, Case, check_case, time_kernel
 from benchmarks.gpu.check_parts import Part, run_parts
 from megatron_startrail.kernels import RULES, ReferenceKernel, make_kernel
+from tests import early
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU = torch.device("cpu")
@@ -231,14 +231,19 @@ def test_a_kernel_that_kills_the_device_every_time_costs_one_restart(tmp_path):
     assert (tmp_path / "log").read_text().count("=== part grouped") == 2
 
 
-def test_cpu_selfcheck_runs_every_part(tmp_path):
-    out = tmp_path / "gpu_check.md"
+@early.recipe("gpu-check-selfcheck", __file__, tests=("test_cpu_selfcheck_runs_every_part",))
+def start_selfcheck(directory):
+    """The kit's CPU self-check, started with the session (tests/early.py)."""
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu.check", "--cpu-selfcheck", "--out", str(out), "--dtypes", "fp32,bf16"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return early.Process([sys.executable, "-m", "benchmarks.gpu.check", "--cpu-selfcheck", "--out",
+                          str(directory / "gpu_check.md"), "--dtypes", "fp32,bf16"], env, directory)
+
+
+def test_cpu_selfcheck_runs_every_part():
+    selfcheck = early.started("gpu-check-selfcheck")
+    code, log = selfcheck.finish(timeout=1200)
+    assert code == 0, log[-6000:]
+    out = selfcheck.directory / "gpu_check.md"
     text = out.read_text()
     statuses = (" | PASS | ", " | SKIP | ", " | FAIL | ")
     rows = [line.split(" | ") for line in text.splitlines() if any(s in line for s in statuses)]

@@ -10,6 +10,7 @@ import pytest
 from benchmarks.counters.peak_memory import run
 from megatron_startrail.accounting import AttentionShape
 from megatron_startrail.planning.memory_model import activation_peak_bytes, layer_memory_bytes, layer_memory_terms
+from tests import early
 
 SHAPE = AttentionShape(256, 1, 4, 4, 32, 4)
 
@@ -54,23 +55,32 @@ def test_the_model_bounds_the_measured_peak(measured):
         assert 0.85 * model <= got <= 1.45 * model, (row["config"], got, model)
 
 
-@pytest.fixture(scope="module")
-def fake_cuda_rows(tmp_path_factory):
+@early.recipe("fake-cuda-memory", __file__, tests=("test_fake_cuda_memory_matches_the_model",
+                                                   "test_piece_major_rotation_q_backward_peaks_near_ring_at_c4"))
+def start_fake_cuda_memory(directory):
     """benchmarks/counters/fake_cuda_memory.py at P = 16 (ring and C = 4; both rotations, with and
     without regathering), 128K tokens of bf16 GQA 32/8 x 128, rank 1, in a fake-CUDA process:
-    the order of allocations is the program's, not gloo's timing."""
+    the order of allocations is the program's, not gloo's timing. Started with the session
+    (tests/early.py); or why the shim cannot be built here (a skip reason)."""
     from tests.fake_cuda.build import build_shim, why_not_buildable  # noqa: PLC0415
-    from tests.fake_cuda.run import run_fake_cuda  # noqa: PLC0415
+    from tests.fake_cuda.run import fake_cuda_command, fake_cuda_env  # noqa: PLC0415
 
     if (why := why_not_buildable()) is not None:
-        pytest.skip(why)
-    out = tmp_path_factory.mktemp("fake_cuda_memory")
-    done = run_fake_cuda(build_shim(tmp_path_factory.mktemp("shim")), "benchmarks.counters.fake_cuda_memory",
-                         "--out", str(out / "rows"), "--tokens", str(2**17), "--world-sizes", "16", "--team-sizes", "1", "4",
-                         "--no-extras",
-                         timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads((out / "rows.json").read_text())
+        return why
+    shim = build_shim(directory / "shim")
+    return early.Process(fake_cuda_command("benchmarks.counters.fake_cuda_memory", "--out", str(directory / "rows"),
+                                           "--tokens", str(2**17), "--world-sizes", "16", "--team-sizes", "1", "4",
+                                           "--no-extras"), fake_cuda_env(shim), directory)
+
+
+@pytest.fixture(scope="module")
+def fake_cuda_rows():
+    process = early.started("fake-cuda-memory")
+    if isinstance(process, str):
+        pytest.skip(process)
+    code, log = process.finish(timeout=300)
+    assert code == 0, log[-3000:]
+    return json.loads((process.directory / "rows.json").read_text())
 
 
 def test_fake_cuda_memory_matches_the_model(fake_cuda_rows):
