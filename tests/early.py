@@ -2,22 +2,26 @@
 
 Why: a CI run of the suite on 2 cores kept 1.6 of them busy on average (user + sys 2505 s over
 1557 s of wall time on 16bc3e0): single-process tests and the ranks' start-ups leave a core
-idle. Two tests wait on long subprocesses of their own, which used to start at the test's
-turn: the fake-CUDA rehearsal's four children (~110 s of wall time, both cores) and the GPU
-session's CPU self-check (~45 s, one core). Started at the start of the session at the lowest
-CPU priority (:data:`NICE`), they run in that idle time, and the test reads what they wrote
-when its turn comes.
+idle. Some tests wait on long subprocesses of their own, which used to start at the test's
+turn: the fake-CUDA rehearsal's four children (~110 s of wall time, both cores), the GPU
+session's and the GPU kit's CPU self-checks (~45 s and ~20 s, one core), the memory model's
+fake-CUDA run (~16 s). Started at the start of the session at the lowest CPU priority
+(:data:`NICE`), they run in that idle time, and the test reads what they wrote when its turn
+comes.
 
 A test module registers its start function with :func:`recipe`; ``tests/conftest.py`` calls
 :func:`start_selected` once collection is done, which starts the recipes that a selected test
 reads (so ``pytest -k something_else`` starts nothing), and :func:`stop_all` at the end of the
-session. A recipe whose module is run on its own path is started by its test's
-first call to :func:`started` instead: the same run, only later.
+session. A test's first call to :func:`started` starts its run where the session has not
+(the same run, only later).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -39,14 +43,18 @@ NICE = ["nice", "-n", "19"] if shutil.which("nice") else []
 
 class Process:
     """One subprocess with its output in ``directory/log.txt`` (a pipe left unread would stall
-    it), at the lowest CPU priority until its test reads it."""
+    it), at the lowest CPU priority."""
 
     def __init__(self, argv: list[str], env: dict, directory: Path):
         directory.mkdir(parents=True, exist_ok=True)
         self.directory = directory
         self.log = open(directory / "log.txt", "w+")
+        # A process group of its own, so that stop() also ends what it started (the GPU session's
+        # script runs each part as a child). Not a session of its own (start_new_session): with
+        # the kernel's autogroups that would be a scheduling group of its own, and the nice value
+        # would no longer rank it below the tests.
         self.proc = subprocess.Popen([*NICE, *argv], cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     text=True)
+                                     text=True, process_group=0)
 
     def finish(self, timeout: float) -> tuple[int, str]:
         """Its exit code and everything it printed, once it has ended."""
@@ -55,8 +63,9 @@ class Process:
         return code, self.log.read()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:  # its test failed or was deselected before reading it
-            self.proc.kill()
+        if self.proc.poll() is None:  # its test failed (or the session was stopped) before reading it
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
         self.log.close()
 
