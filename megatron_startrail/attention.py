@@ -109,19 +109,18 @@ def _team_merge(comm, groups, partials: list[torch.Tensor], dtype, sink=None):
     b, h, rows, dv = acc_out.shape
     n = rows // c
     if c == 1:
-        out, lse = acc_out, acc_lse
-    else:
-        # [b, h, C*n, dv] -> [C (destination member), b, h, n, dv], cast and made dense in one
-        # copy (the exchange takes it as it is: no second, contiguous copy of the cast).
-        parts = acc_out.new_empty((c, b, h, n, dv), dtype=dtype)
-        parts.copy_(acc_out.view(b, h, c, n, dv).permute(2, 0, 1, 3, 4))
-        part_lse = acc_lse.view(b, h, c, n).permute(2, 0, 1, 3)
-        del acc_out, acc_lse
-        # Both exchanges fly at once.
-        parts = comm.all_to_all(parts, groups.team_group, c, op="team_merge", wait=False)
-        part_lse = comm.all_to_all(part_lse, groups.team_group, c, op="team_merge", wait=False)
-        out, lse = blocks.merge_partials(parts.wait(), part_lse.wait())
-    return blocks.finished(out, lse, dtype, sink)  # [n, b, h, dv], [n, b, h]; the sinks after the last merge
+        return blocks.finished(acc_out, acc_lse, dtype, sink)  # [n, b, h, dv], [n, b, h]
+    # [b, h, C*n, dv] -> [C (destination member), b, h, n, dv], cast and made dense in one
+    # copy (the exchange takes it as it is: no second, contiguous copy of the cast).
+    parts = acc_out.new_empty((c, b, h, n, dv), dtype=dtype)
+    parts.copy_(acc_out.view(b, h, c, n, dv).permute(2, 0, 1, 3, 4))
+    part_lse = acc_lse.view(b, h, c, n).permute(2, 0, 1, 3)
+    del acc_out, acc_lse
+    # Both exchanges fly at once.
+    parts = comm.all_to_all(parts, groups.team_group, c, op="team_merge", wait=False)
+    part_lse = comm.all_to_all(part_lse, groups.team_group, c, op="team_merge", wait=False)
+    # [n, b, h, dv] in dtype, [n, b, h]: the sinks and the cast inside the merge (Note [merged in place])
+    return blocks.merge_partials(parts.wait(), part_lse.wait(), dtype, sink)
 
 
 def layer_kernel(q, k, v, groups: StarTrailGroups, causal: bool, window, cu_seqlens, cu_seqlens_padded) -> LayerKernel:

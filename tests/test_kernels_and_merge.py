@@ -318,3 +318,41 @@ def test_gqa_head_groups_are_summed_in_float32_and_rounded_once(dtype):
     for j in range(1, 8):
         running += x[:, j::8]
     assert ((running.double() - x.double().view(2, 4, 8, 64, 16).sum(dim=2)).abs() > half_ulp).any()
+
+
+@pytest.mark.parametrize("parts", [2, 4])
+@pytest.mark.parametrize("with_sink", [False, True], ids=["plain", "sink"])
+def test_the_team_merge_writes_the_normalised_result_in_its_last_op(parts, with_sink):
+    # Note [merged in place] (blocks.py): the team merge with ``dtype`` gives what the merge,
+    # the sinks' normalisation (add_sink_) and finished()'s cast gave in three passes, within
+    # float64 rounding, rows nobody saw included (out 0; lse -inf, or the sink's logit)...
+    from megatron_startrail.blocks import finished
+
+    gen = torch.Generator().manual_seed(parts)
+    outs = torch.randn(parts, 2, 3, 5, 4, generator=gen, dtype=torch.float64)
+    lses = torch.randn(parts, 2, 3, 5, generator=gen, dtype=torch.float64)
+    lses[:, :, :, 0] = float("-inf")  # row 0: nobody saw a key
+    lses[0, :, :, 1] = float("-inf")  # row 1: member 0 saw none
+    sink = torch.randn(3, generator=gen, dtype=torch.float64) if with_sink else None
+    merged, merged_lse = merge_partials(outs, lses)
+    want, want_lse = finished(merged, merged_lse, torch.float64, sink)
+    got, got_lse = merge_partials(outs, lses, torch.float64, sink)
+    assert got.shape == want.shape == (5, 2, 3, 4) and got_lse.shape == want_lse.shape == (5, 2, 3)
+    assert torch.allclose(got, want, rtol=0, atol=1e-14) and not got.isnan().any()
+    assert torch.equal(got_lse.isneginf(), want_lse.isneginf())
+    finite = want_lse.isfinite()
+    assert torch.allclose(got_lse[finite], want_lse[finite], rtol=0, atol=1e-14)
+    # ...and moves at most (6 + 10 (C - 2) + 8) bytes per element of bf16 parts as memory sees
+    # them (the first product, an addcmul_ per middle part, the last one written cast), plus
+    # one for the per-row lse work: the three passes moved 30 at C = 2, 66 at C = 4. Counted
+    # with the layer-traffic counter (its touched bytes), on meta.
+    from benchmarks.counters.launch_budget import Counts, _OpCounter
+
+    counts = Counts()
+    meta = dict(device="meta")
+    with _OpCounter(counts):
+        merge_partials(torch.empty(parts, 1, 8, 1024, 128, dtype=torch.bfloat16, **meta),
+                       torch.empty(parts, 1, 8, 1024, **meta), torch.bfloat16,
+                       torch.empty(8, **meta) if with_sink else None)
+    elements = 8 * 1024 * 128
+    assert counts.touched <= (6 + 10 * (parts - 2) + 8 + 1) * elements, dict(counts.by_op_bytes)
