@@ -44,14 +44,38 @@ def torch_checkpoint_name(use_reentrant) -> str:
     return f"torch.utils.checkpoint.checkpoint(use_reentrant={bool(use_reentrant)})"
 
 
+def source_code(code: types.CodeType) -> types.CodeType:
+    """The code object ``code`` was made from, where ``torch.compile`` made it: dynamo runs a frame it
+    compiled as a transformed copy of the function's code, and what follows a graph break in that
+    frame as a resume function (``torch_dynamo_resume_in_forward_at_604``: Megatron's checkpoint
+    forward breaks where it calls the checkpointed function). Both are looked up in dynamo's own
+    tables, by identity; any other code is its own source. Dynamo is never imported here."""
+    dynamo_utils = sys.modules.get("torch._dynamo.utils")
+    resume = sys.modules.get("torch._dynamo.resume_execution")
+    if dynamo_utils is None or resume is None:  # nothing was compiled in this process
+        return code
+    for _ in range(16):  # a resume function of a resume function leads back in a few steps
+        made_from = dynamo_utils.orig_code_map.get(code)
+        if made_from is None:
+            meta = resume.ContinueExecutionCache.generated_code_metadata.get(code)
+            made_from = getattr(meta, "code", None)
+        if made_from is None or made_from is code:
+            return code
+        code = made_from
+    return code
+
+
 def running_checkpoints():
     """``(ctx, wrapper)`` seen from the caller: ``ctx`` the innermost Megatron
     ``CheckpointFunction.forward`` on this thread's stack (None without one); ``wrapper`` the name
     of torch's checkpoint when one runs inside it (or, with no Megatron checkpoint, anywhere on
-    the stack), else None."""
+    the stack), else None. Frames that ``torch.compile`` runs as its own code count as the
+    function they were made from (:func:`source_code`)."""
     frame, wrapper = sys._getframe(1), None
     while frame is not None:
         code = frame.f_code
+        if code is not _MEGATRON_FORWARD and code is not _TORCH_CHECKPOINT:
+            code = source_code(code)
         if code is _MEGATRON_FORWARD:
             return frame.f_locals.get("ctx"), wrapper
         if code is _TORCH_CHECKPOINT and wrapper is None:  # use_reentrant is resolved (None -> True) by then
