@@ -33,8 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # The lowest CPU priority: a started run takes only the CPU that the running tests leave idle.
 # So a run started here must hold no wall-clock limit of its own that its test does not set:
 # while the tests keep both cores busy it may get ~1.5% of one for minutes (CFS weight 15 against
-# 1024). Multi-rank gloo runs (their peers' 60 s timeouts) are not started here for that reason;
-# the GPU kit's and session's self-checks give a part 1200 s (benchmarks/gpu/check.py).
+# 1024). Multi-rank gloo runs (their peers' 60 s timeouts) are started here only with those limits
+# lifted (APART_ENV below); the GPU kit's and session's self-checks give a part 1200 s (benchmarks/gpu/check.py).
 # (At the default priority, a CI run that started them with the session took 7% more CPU and
 # 1.9 minutes more wall time: the tests at the start of the suite keep both cores busy, and
 # tests/megatron/test_compile_megatron.py's 2-rank worlds ran 3x slower beside four children.)
@@ -68,6 +68,28 @@ class Process:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
         self.log.close()
+
+
+# Test modules run apart (tests/test_apart.py): each in a pytest process of its own, started with
+# the session like the runs above, read by a test that the session puts last. For multi-rank modules
+# whose worlds keep both cores busy at their turn: run apart, at nice 19, their ranks work in the
+# time the other tests leave idle, with their wall-clock limits lifted (APART_ENV: a starved rank may
+# wait minutes for a peer). tests/conftest.py then leaves them out of the session's own collection.
+APART = {"test_compile_megatron": "tests/megatron/test_compile_megatron.py"}  # by the module's name: -k finds it
+APART_ENV = {"STARTRAIL_TEST_PG_TIMEOUT": "3600", "STARTRAIL_TEST_TIMEOUT_SCALE": "10"}
+
+
+def runs_apart(path: str | Path, args: list[str]) -> bool:
+    """Whether the test module at ``path`` is one of :data:`APART` and this session runs it apart:
+    it collects tests/test_apart.py (the whole suite, or that file), not the module by its own path."""
+    path = Path(path).resolve()
+    if path not in {(ROOT / module).resolve() for module in APART.values()}:
+        return False
+    tests = ROOT / "tests"
+    asked = [Path(str(arg).split("::")[0]).resolve() for arg in args]
+    if any(a == path or (a in path.parents and tests in a.parents) for a in asked):
+        return False  # asked for by its path, or by a folder of it below tests/: collected as it is
+    return any(a in (ROOT, tests, tests / "test_apart.py") for a in asked)
 
 
 # name -> (the test module's file, the names of the tests that read it (None: every test of the

@@ -44,6 +44,9 @@ from megatron_startrail import nccl_rules
 
 # Collective timeout inside the ranks: a mismatch raises instead of hanging.
 PG_TIMEOUT_S = float(os.environ.get("STARTRAIL_TEST_PG_TIMEOUT", "60"))
+# run_ranks' deadlines times this: a module run apart at the lowest CPU priority (tests/early.py's
+# APART) may wait minutes for the CPU the other tests leave idle.
+TIMEOUT_SCALE = float(os.environ.get("STARTRAIL_TEST_TIMEOUT_SCALE", "1"))
 
 
 def single_threaded_after_fork() -> None:
@@ -111,6 +114,7 @@ def run_ranks(
             procs.append(p)
             conns.append(parent_conn)
 
+        timeout *= TIMEOUT_SCALE
         deadline = time.monotonic() + timeout
         results: list[Any] = [None] * world_size
         errors: list[str] = []

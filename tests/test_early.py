@@ -53,3 +53,14 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_an_apart_module_runs_apart_only_where_the_session_collects_test_apart():
+    module = early.ROOT / "tests/megatron/test_compile_megatron.py"
+    assert str(module.relative_to(early.ROOT)) in early.APART.values()
+    for args, apart in (([str(early.ROOT / "tests")], True), ([str(early.ROOT)], True),
+                        ([str(early.ROOT / "tests/test_apart.py")], True),
+                        ([str(module)], False), ([f"{module}::test_compiled_megatron_modules_equal_eager"], False),
+                        ([str(early.ROOT / "tests/megatron")], False), ([str(early.ROOT / "tests/test_early.py")], False)):
+        assert early.runs_apart(module, args) == apart, args
+    assert not early.runs_apart(early.ROOT / "tests/megatron/test_mtp.py", [str(early.ROOT / "tests")])
