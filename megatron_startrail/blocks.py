@@ -29,7 +29,7 @@ from . import max_logit as max_logits
 from .kernels import BlockKernel
 from .layout import KernelCall, Segment
 from .microbatch import device_calls
-from .sinks import add_sink_
+from .sinks import add_sink_, lse_with_sink
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -156,8 +156,7 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor, dtype: torch.dtype | 
     normalised with the sinks ``sink [h]`` when given."""
     lse = torch.logsumexp(lses, dim=0)
     if sink is not None:  # lse' = logaddexp(lse, s_h), finite: the weights below normalise by it
-        lse = torch.logaddexp(lse, sink.detach().to(lse.dtype).view(1, -1, 1))
-        ref = lse
+        lse = ref = lse_with_sink(lse, sink)
     else:
         ref = lse.masked_fill(lse.isneginf(), 0.0)
     weights = torch.exp(lses - ref).unsqueeze(-1)  # rows nobody saw: all weights 0
@@ -182,9 +181,10 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor, dtype: torch.dtype | 
 # ----------------------
 # The team merge used to sum the C parts as ``out = p0 w0; out.add_(p_j * w_j)``, apply the
 # sinks in place (``add_sink_``) and cast the float32 sum to the input dtype in a copy of its
-# own (``finished``). Per element, bytes read + written at C = 2 with bf16 parts: 6 + (6 + 12)
-# + 8 = 32. Now each later part is one ``addcmul_`` (10), and the last one is added in float32
-# and written straight into the sequence-first result in the input dtype (8): 24 -> 14 at C = 2.
+# own (``finished``). Per element, bytes memory reads + writes at C = 2 with bf16 parts: the
+# first product 6, the next product and its add 6 + 12, the cast 6: 30. Now each middle part is
+# one ``addcmul_`` (10), and the last one is added in float32 and written straight into the
+# sequence-first result in the input dtype (8): 6 + 8 = 14 at C = 2.
 # The sinks need no pass of their own either: ``out' = out e^(lse - lse')`` is the sum of the
 # parts weighted ``e^(lse_j - lse')``, so the weights take ``lse' = logaddexp(lse, s_h)``.
 

@@ -27,11 +27,16 @@ from __future__ import annotations
 import torch
 
 
+def lse_with_sink(lse: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """``lse' = logaddexp(lse, s_h)`` for ``lse [b, h, S]`` (accumulator dtype) and ``sink [h]``:
+    finite even on rows that saw no key."""
+    return torch.logaddexp(lse, sink.detach().to(lse.dtype).view(1, -1, 1))
+
+
 def add_sink_(acc_out: torch.Tensor, acc_lse: torch.Tensor, sink: torch.Tensor) -> None:
     """In place on a finished merge, in the accumulator dtype (before the cast to the input
     dtype): ``acc_out [b, h, S, dv]``, ``acc_lse [b, h, S]``, ``sink [h]``."""
-    s = sink.detach().to(acc_lse.dtype).view(1, -1, 1)
-    new_lse = torch.logaddexp(acc_lse, s)
+    new_lse = lse_with_sink(acc_lse, sink)
     acc_out.mul_(torch.exp(acc_lse - new_lse).unsqueeze(-1))
     acc_lse.copy_(new_lse)
 

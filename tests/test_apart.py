@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 import sys
 
 import pytest
@@ -35,9 +36,20 @@ for _name, _module in early.APART.items():
     early.recipe(_name, __file__)(_start(_module))
 
 
+# How long this test waits for a run still going at its turn, when the machine is the run's alone
+# (the module takes ~100 s of both cores): below pytest.ini's limit, so that a hang ends here with
+# the run's output so far; the session's end then kills it (early.stop_all).
+WAIT_S = 540
+
+
 @pytest.mark.parametrize("name", list(early.APART))
 def test_the_module_passes_in_a_process_of_its_own(name):
-    code, out = early.started(name).finish(timeout=7200)
+    process = early.started(name)
+    try:
+        code, out = process.finish(timeout=WAIT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{early.APART[name]} still running {WAIT_S} s after its turn (a hang?); its output so far:\n"
+                    + (process.directory / "log.txt").read_text()[-6000:])
     lines = out.strip().splitlines()
     summary = lines[-1] if lines else ""  # pytest's "N passed in ..." line
     print(f"{early.APART[name]}: {summary}")

@@ -73,9 +73,7 @@ def running_checkpoints():
     function they were made from (:func:`source_code`)."""
     frame, wrapper = sys._getframe(1), None
     while frame is not None:
-        code = frame.f_code
-        if code is not _MEGATRON_FORWARD and code is not _TORCH_CHECKPOINT:
-            code = source_code(code)
+        code = source_code(frame.f_code)
         if code is _MEGATRON_FORWARD:
             return frame.f_locals.get("ctx"), wrapper
         if code is _TORCH_CHECKPOINT and wrapper is None:  # use_reentrant is resolved (None -> True) by then
