@@ -22,6 +22,7 @@ whole suite) every run that finishes on all ranks is then checked against NCCL's
 from __future__ import annotations
 
 import datetime
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -58,6 +59,29 @@ def single_threaded_after_fork() -> None:
     buffer, after a ``layer_norm`` in the parent.) One thread per rank starts no pool, and with
     2-16 ranks on 2 cores it is also the fastest."""
     torch.set_num_threads(1)
+
+
+FORK = mp.get_context("fork")
+
+
+def start_forked(target: Callable[..., Any], args: Sequence[Any]) -> mp.process.BaseProcess:
+    """Fork a daemon process running ``target(*args)``, with the parent's heap frozen for it.
+
+    Why frozen: the pytest process holds millions of objects (torch, megatron, dynamo, every
+    test module). A forked child's garbage collections walk them, writing to each object's
+    header, which copies the pages of the parent's heap (copy-on-write): CPU and memory per
+    rank, 16 ranks on 2 cores. ``gc.freeze()`` moves them to the collector's permanent
+    generation, where no child's collection looks; the parent's ``gc.unfreeze()`` right after
+    the fork hands them back to its own collector. Measured on the 8-rank
+    ``test_dynamic_cp[DP8]``: 29.1 -> 18.5 s. (Freezing in the child instead, as its first
+    step, gave 22.9 s: the child has collected young objects by then.)"""
+    process = FORK.Process(target=target, args=tuple(args), daemon=True)
+    gc.freeze()
+    try:
+        process.start()
+    finally:
+        gc.unfreeze()
+    return process
 
 
 def _child(fn, rank, world_size, init_file, args, kwargs, conn):
@@ -97,19 +121,13 @@ def run_ranks(
     timeout: float = 240.0,
 ) -> list[Any]:
     """Fork ``world_size`` ranks running ``fn``; return their results in rank order."""
-    ctx = mp.get_context("fork")
     kwargs = kwargs or {}
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "pg_init")
         procs, conns = [], []
         for rank in range(world_size):
-            parent_conn, child_conn = ctx.Pipe(duplex=False)
-            p = ctx.Process(
-                target=_child,
-                args=(fn, rank, world_size, init_file, tuple(args), kwargs, child_conn),
-                daemon=True,
-            )
-            p.start()
+            parent_conn, child_conn = FORK.Pipe(duplex=False)
+            p = start_forked(_child, (fn, rank, world_size, init_file, tuple(args), kwargs, child_conn))
             child_conn.close()
             procs.append(p)
             conns.append(parent_conn)

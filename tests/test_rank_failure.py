@@ -10,7 +10,6 @@ half an hour.
 from __future__ import annotations
 
 import datetime
-import multiprocessing as mp
 import os
 import signal
 import tempfile
@@ -22,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_startrail import new_startrail_groups, startrail_attn
-from tests.multiproc import single_threaded_after_fork
+from tests.multiproc import FORK, single_threaded_after_fork, start_forked
 
 WORLD, VICTIM = 4, 2
 PG_TIMEOUT_S = 6.0
@@ -63,13 +62,11 @@ def _rank(rank, init_file, mode, conn):
 
 @pytest.mark.parametrize("mode", ["kill", "hang"])
 def test_survivors_fail_within_the_process_group_timeout(mode):
-    ctx = mp.get_context("fork")
     with tempfile.TemporaryDirectory() as tmp:
         procs, conns = [], []
         for rank in range(WORLD):
-            parent, child = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_rank, args=(rank, os.path.join(tmp, "pg"), mode, child), daemon=True)
-            p.start()
+            parent, child = FORK.Pipe(duplex=False)
+            p = start_forked(_rank, (rank, os.path.join(tmp, "pg"), mode, child))
             child.close()
             procs.append(p)
             conns.append(parent)

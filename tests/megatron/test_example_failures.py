@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import multiprocessing as mp
 import os
 import signal
 import socket
@@ -25,7 +24,7 @@ import pytest
 import torch.distributed as dist
 
 from tests.megatron.example import ROOT, pretrain_gpt
-from tests.multiproc import single_threaded_after_fork
+from tests.multiproc import FORK, single_threaded_after_fork, start_forked
 
 
 COMMON = [
@@ -67,13 +66,10 @@ def _example_rank(rank, world, argv, env, victim_step, conn):
 def run_example(world, argv, env=None, victim=None, victim_step=None, timeout=120.0):
     """Fork ``world`` ranks of the example; return {rank: (kind, message, pg_initialized, end_time)}
     for every rank that reported within ``timeout`` (the victim reports "killed" as it dies)."""
-    ctx = mp.get_context("fork")
     procs, conns = [], []
     for rank in range(world):
-        parent, child = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_example_rank, daemon=True,
-                        args=(rank, world, argv, env or {}, victim_step if rank == victim else None, child))
-        p.start()
+        parent, child = FORK.Pipe(duplex=False)
+        p = start_forked(_example_rank, (rank, world, argv, env or {}, victim_step if rank == victim else None, child))
         child.close()
         procs.append(p)
         conns.append(parent)
