@@ -1,4 +1,5 @@
-"""Ranks forked from a pytest process that has run multi-threaded torch ops of its own.
+"""Ranks forked from a pytest process: one that has run multi-threaded torch ops of its own, and
+whose heap no rank's garbage collector may walk.
 
 libgomp's OpenMP pool does not survive fork: a child's first parallel region with more than
 one thread waits for the pool's threads, which exist only in the parent. Every fork site of
@@ -7,6 +8,8 @@ that a forked rank runs parallel ops after the parent started its pool.
 """
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 import torch
@@ -30,3 +33,19 @@ def test_a_forked_rank_runs_parallel_ops_after_the_parent_started_its_thread_poo
     torch.nn.functional.layer_norm(x, (8,))
     results = run_ranks(_parallel_ops, 2, timeout=30)  # a hang here is the bug: no report in 30 s
     assert results == [(0.0, (4096, 64), 1), (0.0, (4096, 64), 1)]
+
+
+def _collector_state(rank, world_size):
+    # What the rank's collector inherited: the parent's objects in its permanent generation, and
+    # its generations 0-2 (what a collection walks) holding only what the rank made since.
+    return gc.get_freeze_count(), len(gc.get_objects())
+
+
+def test_a_forked_rank_collects_none_of_the_parents_heap_and_the_parent_keeps_its_own():
+    parent_objects = len(gc.get_objects())  # the pytest process: torch, megatron, the test modules
+    assert gc.get_freeze_count() == 0
+    results = run_ranks(_collector_state, 2, timeout=30)
+    for frozen, walked in results:
+        assert frozen >= 0.9 * parent_objects, (frozen, parent_objects)
+        assert walked < parent_objects // 10, (walked, parent_objects)
+    assert gc.get_freeze_count() == 0  # the parent's collector has its objects back
