@@ -22,11 +22,14 @@ whole suite) every run that finishes on all ranks is then checked against NCCL's
 from __future__ import annotations
 
 import datetime
+import functools
 import gc
+import math
 import multiprocessing as mp
 import os
 import pickle
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -85,6 +88,29 @@ def start_forked(target: Callable[..., Any], args: Sequence[Any]) -> mp.process.
     return process
 
 
+def _megatron_groups_take_the_test_timeout() -> None:
+    """Give the groups of megatron-core's ``initialize_model_parallel`` the test's timeout.
+
+    Megatron passes every group it makes an explicit ``timeout`` (its ``distributed_timeout_minutes``,
+    default 30), so ``c10d.default_pg_timeout`` does not reach them: a rank left waiting in a
+    Megatron collective (TP, CP, DP groups) would hang for 30 minutes, where the world and
+    StarTrail's own groups give up after :data:`PG_TIMEOUT_S`. Here the default becomes the test's
+    (whole minutes, at least 1: Megatron's unit); a caller that passes its own (the example's
+    ``--distributed-timeout-minutes``) keeps it. Done in the rank, on the module the parent
+    imported (Megatron's tests call it as ``parallel_state.initialize_model_parallel``)."""
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    if parallel_state is None:  # a test without Megatron
+        return
+    megatrons = parallel_state.initialize_model_parallel
+    minutes = max(1, math.ceil(PG_TIMEOUT_S / 60))
+
+    @functools.wraps(megatrons)
+    def initialize_model_parallel(*args, distributed_timeout_minutes=minutes, **kwargs):
+        return megatrons(*args, distributed_timeout_minutes=distributed_timeout_minutes, **kwargs)
+
+    parallel_state.initialize_model_parallel = initialize_model_parallel
+
+
 def _child(fn, rank, world_size, init_file, args, kwargs, conn):
     result: Any
     try:
@@ -98,6 +124,7 @@ def _child(fn, rank, world_size, init_file, args, kwargs, conn):
         )
         # Groups made without a timeout (torch's default: 30 minutes) get the test's.
         c10d.default_pg_timeout = datetime.timedelta(seconds=PG_TIMEOUT_S)
+        _megatron_groups_take_the_test_timeout()
         nccl_rules.take_audits(), nccl_rules.take_program()  # none inherited from the parent: this run's only
         value = fn(rank, world_size, *args, **kwargs)
         if nccl_rules.enabled():  # every rank finished: check the run against NCCL's rules

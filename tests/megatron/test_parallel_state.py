@@ -3,9 +3,10 @@
 import itertools
 
 import pytest
+import torch
 
 from tests.megatron.utils import Utils, parallel_state
-from tests.multiproc import run_ranks
+from tests.multiproc import PG_TIMEOUT_S, run_ranks
 
 from megatron_startrail.megatron.parallel_state import context_parallel_groups, initialize_startrail
 
@@ -63,3 +64,32 @@ def test_startrail_groups_sit_inside_megatrons_cp_groups(tp, pp, cp, team_size, 
         # the StarTrail group: stride U inside the CP group, through this rank
         assert rank in st_ranks and st_ranks == megatron_cp[cp_rank % ulysses :: ulysses]
         assert c == team_size
+
+
+def _timeout_s(group) -> float:
+    return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+
+def timeouts_worker(rank, world_size):
+    Utils.initialize_model_parallel(context_parallel_size=2, pipeline_model_parallel_size=2)
+    groups = initialize_startrail(1, 1)
+    result = {
+        "pp": _timeout_s(parallel_state.get_pipeline_model_parallel_group()),
+        "cp": _timeout_s(parallel_state.get_context_parallel_group()),
+        "dp gloo": _timeout_s(parallel_state.get_data_parallel_group_gloo()),
+        "startrail": _timeout_s(groups.startrail_group),
+    }
+    Utils.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(context_parallel_size=2, distributed_timeout_minutes=7)
+    result["cp, 7 minutes asked"] = _timeout_s(parallel_state.get_context_parallel_group())
+    Utils.destroy_model_parallel()
+    return result
+
+
+def test_megatrons_groups_in_a_test_world_time_out_like_the_world():
+    # Megatron gives its groups 30 minutes unless told otherwise: a hung Megatron collective in a
+    # test would wait that long (tests/multiproc.py: _megatron_groups_take_the_test_timeout).
+    minutes = max(1, -(-int(PG_TIMEOUT_S) // 60))
+    for result in run_ranks(timeouts_worker, 4, timeout=120):
+        assert result == {"pp": 60.0 * minutes, "cp": 60.0 * minutes, "dp gloo": 60.0 * minutes,
+                          "startrail": PG_TIMEOUT_S, "cp, 7 minutes asked": 420.0}, result
