@@ -51,6 +51,9 @@ PG_TIMEOUT_S = float(os.environ.get("STARTRAIL_TEST_PG_TIMEOUT", "60"))
 # run_ranks' deadlines times this: a module run apart at the lowest CPU priority (tests/early.py's
 # APART) may wait minutes for the CPU the other tests leave idle.
 TIMEOUT_SCALE = float(os.environ.get("STARTRAIL_TEST_TIMEOUT_SCALE", "1"))
+# The same timeout in megatron-core's unit (whole minutes, at least 1): the default that
+# _megatron_groups_take_the_test_timeout gives Megatron's groups.
+MEGATRON_TIMEOUT_MINUTES = max(1, math.ceil(PG_TIMEOUT_S / 60))
 
 
 def single_threaded_after_fork() -> None:
@@ -88,6 +91,21 @@ def start_forked(target: Callable[..., Any], args: Sequence[Any]) -> mp.process.
     return process
 
 
+def fork_ranks(target: Callable[..., Any], world_size: int,
+               args_of: Callable[[int], Sequence[Any]]) -> tuple[list[mp.process.BaseProcess], list[Any]]:
+    """Fork one process per rank with :func:`start_forked`, rank ``r`` running
+    ``target(*args_of(r), conn)``, where ``conn`` is the writing end of a pipe of its own; return
+    the processes and the reading ends, in rank order. (The parent closes its copy of each writing
+    end, so a rank that dies without reporting shows as EOF on its reading end.)"""
+    procs, conns = [], []
+    for rank in range(world_size):
+        parent_conn, child_conn = FORK.Pipe(duplex=False)
+        procs.append(start_forked(target, (*args_of(rank), child_conn)))
+        child_conn.close()
+        conns.append(parent_conn)
+    return procs, conns
+
+
 def _megatron_groups_take_the_test_timeout() -> None:
     """Give the groups of megatron-core's ``initialize_model_parallel`` the test's timeout.
 
@@ -95,17 +113,16 @@ def _megatron_groups_take_the_test_timeout() -> None:
     default 30), so ``c10d.default_pg_timeout`` does not reach them: a rank left waiting in a
     Megatron collective (TP, CP, DP groups) would hang for 30 minutes, where the world and
     StarTrail's own groups give up after :data:`PG_TIMEOUT_S`. Here the default becomes the test's
-    (whole minutes, at least 1: Megatron's unit); a caller that passes its own (the example's
+    (:data:`MEGATRON_TIMEOUT_MINUTES`); a caller that passes its own (the example's
     ``--distributed-timeout-minutes``) keeps it. Done in the rank, on the module the parent
     imported (Megatron's tests call it as ``parallel_state.initialize_model_parallel``)."""
     parallel_state = sys.modules.get("megatron.core.parallel_state")
     if parallel_state is None:  # a test without Megatron
         return
     megatrons = parallel_state.initialize_model_parallel
-    minutes = max(1, math.ceil(PG_TIMEOUT_S / 60))
 
     @functools.wraps(megatrons)
-    def initialize_model_parallel(*args, distributed_timeout_minutes=minutes, **kwargs):
+    def initialize_model_parallel(*args, distributed_timeout_minutes=MEGATRON_TIMEOUT_MINUTES, **kwargs):
         return megatrons(*args, distributed_timeout_minutes=distributed_timeout_minutes, **kwargs)
 
     parallel_state.initialize_model_parallel = initialize_model_parallel
@@ -152,13 +169,7 @@ def run_ranks(
     kwargs = kwargs or {}
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "pg_init")
-        procs, conns = [], []
-        for rank in range(world_size):
-            parent_conn, child_conn = FORK.Pipe(duplex=False)
-            p = start_forked(_child, (fn, rank, world_size, init_file, tuple(args), kwargs, child_conn))
-            child_conn.close()
-            procs.append(p)
-            conns.append(parent_conn)
+        procs, conns = fork_ranks(_child, world_size, lambda rank: (fn, rank, world_size, init_file, tuple(args), kwargs))
 
         timeout *= TIMEOUT_SCALE
         deadline = time.monotonic() + timeout

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_startrail import new_startrail_groups, startrail_attn
-from tests.multiproc import FORK, single_threaded_after_fork, start_forked
+from tests.multiproc import fork_ranks, single_threaded_after_fork
 
 WORLD, VICTIM = 4, 2
 PG_TIMEOUT_S = 6.0
@@ -63,13 +63,7 @@ def _rank(rank, init_file, mode, conn):
 @pytest.mark.parametrize("mode", ["kill", "hang"])
 def test_survivors_fail_within_the_process_group_timeout(mode):
     with tempfile.TemporaryDirectory() as tmp:
-        procs, conns = [], []
-        for rank in range(WORLD):
-            parent, child = FORK.Pipe(duplex=False)
-            p = start_forked(_rank, (rank, os.path.join(tmp, "pg"), mode, child))
-            child.close()
-            procs.append(p)
-            conns.append(parent)
+        procs, conns = fork_ranks(_rank, WORLD, lambda rank: (rank, os.path.join(tmp, "pg"), mode))
         # Setup and two steps take a few seconds; the third must fail within the timeout (+ slack
         # for a loaded 2-core machine), never after torch's 30-minute default.
         deadline = time.monotonic() + 60 + 3 * PG_TIMEOUT_S

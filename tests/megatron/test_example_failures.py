@@ -24,7 +24,7 @@ import pytest
 import torch.distributed as dist
 
 from tests.megatron.example import ROOT, pretrain_gpt
-from tests.multiproc import FORK, single_threaded_after_fork, start_forked
+from tests.multiproc import fork_ranks, single_threaded_after_fork
 
 
 COMMON = [
@@ -66,13 +66,8 @@ def _example_rank(rank, world, argv, env, victim_step, conn):
 def run_example(world, argv, env=None, victim=None, victim_step=None, timeout=120.0):
     """Fork ``world`` ranks of the example; return {rank: (kind, message, pg_initialized, end_time)}
     for every rank that reported within ``timeout`` (the victim reports "killed" as it dies)."""
-    procs, conns = [], []
-    for rank in range(world):
-        parent, child = FORK.Pipe(duplex=False)
-        p = start_forked(_example_rank, (rank, world, argv, env or {}, victim_step if rank == victim else None, child))
-        child.close()
-        procs.append(p)
-        conns.append(parent)
+    procs, conns = fork_ranks(_example_rank, world,
+                              lambda rank: (rank, world, argv, env or {}, victim_step if rank == victim else None))
     deadline, reports = time.monotonic() + timeout, {}
     try:
         for rank in range(world):
