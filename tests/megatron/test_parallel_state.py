@@ -1,9 +1,11 @@
 """StarTrail groups from Megatron's grid: the pure CP-group math, then the real groups."""
 
 import itertools
+import os
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from tests.megatron.utils import Utils, parallel_state
 from tests.multiproc import MEGATRON_TIMEOUT_MINUTES, PG_TIMEOUT_S, run_ranks
@@ -94,3 +96,49 @@ def test_megatrons_groups_in_a_test_world_time_out_like_the_world():
     for result in run_ranks(timeouts_worker, 4, timeout=120):
         assert result == {"pp": 60.0 * minutes, "cp": 60.0 * minutes, "dp gloo": 60.0 * minutes,
                           "startrail": PG_TIMEOUT_S, "cp, 7 minutes asked": 420.0}, result
+
+
+def _gloo_loop_threads() -> int:
+    """Threads of this process that gloo's TCP devices poll their sockets in (one per device)."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/comm") as f:
+            names.append(f.read().strip())
+    return names.count("gloo_tcp_loop")
+
+
+def shared_device_worker(rank, world_size):
+    Utils.initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=2)
+    groups = initialize_startrail(1, 1)
+    world_backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    # What runs on the groups: a TP all-reduce, a batched P2P on the CP ring, StarTrail's group.
+    tp = parallel_state.get_tensor_model_parallel_group()
+    summed = torch.full((3,), float(rank))
+    dist.all_reduce(summed, group=tp)
+    cp_ranks = parallel_state.get_context_parallel_global_ranks()
+    peer = cp_ranks[1 - parallel_state.get_context_parallel_rank()]
+    got = torch.empty(2)
+    ops = [dist.P2POp(dist.isend, torch.full((2,), float(rank)), peer, group=parallel_state.get_context_parallel_group()),
+           dist.P2POp(dist.irecv, got, peer, group=parallel_state.get_context_parallel_group())]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    member = torch.ones(1)
+    dist.all_reduce(member, group=groups.startrail_group)
+    result = {"loop threads": _gloo_loop_threads(), "groups": len(dist.distributed_c10d._world.pg_map),
+              "gloo backend": isinstance(world_backend, dist.ProcessGroupGloo),
+              "tp sum": summed.tolist(), "cp peer": (peer, got.tolist()), "startrail size": member.item()}
+    Utils.destroy_model_parallel()
+    return result
+
+
+def test_a_test_worlds_gloo_groups_share_one_device_per_rank():
+    # tests/multiproc.py: _gloo_groups_share_one_device. Torch makes one gloo device, and with it
+    # one polling thread, per group: ~30 in a Megatron world. The groups must still work.
+    for rank, result in enumerate(run_ranks(shared_device_worker, 4, timeout=120)):
+        tp_peer = rank ^ 1
+        assert result["groups"] > 10, result  # Megatron made its many groups...
+        assert result["loop threads"] == 1, result  # ...and they poll in one thread
+        assert result["gloo backend"] and result["startrail size"] == 2.0, result
+        assert result["tp sum"] == [float(rank + tp_peer)] * 3, result
+        cp_peer = rank ^ 2  # TP 2 x CP 2: CP groups [0, 2] and [1, 3]
+        assert result["cp peer"] == (cp_peer, [float(cp_peer)] * 2), result
