@@ -4,6 +4,8 @@
   on every rank before torch.distributed is even initialized (so no rank can be left waiting).
 - A rank killed in the middle of a training step makes every other rank exit with an error
   within --distributed-timeout-minutes (gloo notices the closed connections at once).
+- From the command line, a bad flag (argparse's or the validation's) is one error line and exit
+  status 2 on each rank; under torchrun the line comes once, from rank 0.
 
 Ranks are forked from the test process (which imported Megatron) without a process group:
 the example initializes it itself from RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT.
@@ -14,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import runpy
 import signal
 import socket
 import subprocess
@@ -23,6 +26,7 @@ import time
 import pytest
 import torch.distributed as dist
 
+from megatron_startrail.megatron import rank_output
 from tests.megatron.example import ROOT, pretrain_gpt
 from tests.multiproc import fork_ranks, single_threaded_after_fork
 
@@ -125,16 +129,61 @@ def test_killed_rank_makes_every_other_rank_fail_within_the_timeout():
 
 
 
-@pytest.mark.parametrize("flags, error", [
-    (["--context-parallel-algo", "ringg"], "argument --context-parallel-algo: invalid choice: 'ringg'"),
-    (["--context-parallel-size", "2", "--startrail-team-size", "2"],
-     "--startrail-team-size 2 does not fit a StarTrail group of 2 ranks"),
-], ids=["argparse", "validation"])
-def test_a_bad_flag_prints_one_error_line_from_rank_0_under_torchrun(flags, error):
+EXAMPLE = os.path.join(ROOT, "examples", "pretrain_gpt.py")
+# A bad flag of each kind: one argparse rejects, one the flag validation rejects.
+BAD_FLAGS = {
+    "argparse": (["--context-parallel-algo", "ringg"], "argument --context-parallel-algo: invalid choice: 'ringg'"),
+    "validation": (["--context-parallel-size", "2", "--startrail-team-size", "2"],
+                   "--startrail-team-size 2 does not fit a StarTrail group of 2 ranks"),
+}
+
+
+def _example_as_main(rank, argv, conn):
+    """Run examples/pretrain_gpt.py as ``__main__`` (its command-line entry, which a user's
+    ``python`` or ``torchrun`` runs) as rank ``rank`` of 2; report its exit code and output."""
+    single_threaded_after_fork()
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")  # as torchrun's
+    rank_output.OTHER_RANKS_GRACE_S = 0.0  # no launcher here to stop rank 1 during its wait
+    sys.argv = [EXAMPLE, *argv]
+    stderr, stdout = io.StringIO(), io.StringIO()
+    code: object = "returned"
+    try:
+        with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(stdout):
+            runpy.run_path(EXAMPLE, run_name="__main__")
+    except SystemExit as e:
+        code = e.code
+    except BaseException as e:  # noqa: BLE001 - the outcome under test
+        code = f"{type(e).__name__}: {e}"
+    conn.send((code, stderr.getvalue() + stdout.getvalue()))
+    conn.close()
+    os._exit(0)
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_FLAGS))
+def test_a_bad_flag_is_one_error_line_and_exit_status_2_from_the_command_line(kind):
+    # Both kinds go through the example's entry (rank_output.bad_flags_reported_once): one line,
+    # exit status 2, no usage dump (argparse's, about 700 lines) and no traceback; rank 0 says it
+    # plainly, another rank (here with no grace: no launcher stops it) names itself.
+    flags, error = BAD_FLAGS[kind]
+    procs, conns = fork_ranks(_example_as_main, 2, lambda rank: (rank, [*COMMON, "--train-iters", "2", *flags]))
+    try:
+        reports = [conn.recv() if conn.poll(120) else ("no report", "") for conn in conns]
+    finally:
+        for p in procs:
+            p.join(10)
+    for rank, (code, out) in enumerate(reports):
+        lines = [line for line in out.splitlines() if error in line]
+        prog = "pretrain_gpt.py" if rank == 0 else "pretrain_gpt.py [rank 1]"
+        assert code == 2 and len(lines) == 1 and lines[0].startswith(f"{prog}: error: "), (rank, code, out[-3000:])
+        assert "usage:" not in out and "Traceback" not in out, (rank, out[-3000:])
+
+
+def test_a_bad_flag_prints_one_error_line_from_rank_0_under_torchrun():
     # The command a user runs, on 2 ranks: both hit the same bad flag, but its line comes out
-    # once, from rank 0, with no usage dump (argparse's, about 700 lines) and no traceback per rank.
-    example = os.path.join(ROOT, "examples", "pretrain_gpt.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", example,
+    # once, from rank 0: the launcher stops rank 1 during its wait. (How each kind of bad flag
+    # becomes that line is the test above; the launcher's part is the same for both.)
+    flags, error = BAD_FLAGS["argparse"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", EXAMPLE,
            *COMMON, "--train-iters", "2", *flags]
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT=str(_free_port()))
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
@@ -142,4 +191,4 @@ def test_a_bad_flag_prints_one_error_line_from_rank_0_under_torchrun(flags, erro
     assert res.returncode != 0, out[-3000:]
     lines = [line for line in out.splitlines() if error in line]
     assert len(lines) == 1 and lines[0].startswith("pretrain_gpt.py: error: "), out[-3000:]
-    assert "usage:" not in out and f'{example}", line' not in out, out[-3000:]
+    assert "usage:" not in out and f'{EXAMPLE}", line' not in out, out[-3000:]
