@@ -5,13 +5,11 @@ initial send), planted in the P = 64 C = 8 recording, is named: the rank, and th
 (The benchmark plants it at P = 128, C = 8; here the same team size on the recording the test
 above made already: recording P = 128 again was 24-27 s of one core in a full run.)"""
 
-import dataclasses
-
 import pytest
 
 from benchmarks.counters.scale_replay import (
     Config,
-    plant_skipped_init_send,
+    planted_bug,
     problems_of,
     record_dynamic,
     record_static,
@@ -54,11 +52,8 @@ def test_dynamic_cp_at_64_replays_and_reuses_megatrons_groups_for_its_teams():
 
 
 def test_the_planted_bug_is_named_rank_and_initial_send(planted_recording):
-    clean = planted_recording
-    recording = dataclasses.replace(clean, programs={r: list(p) for r, p in clean.programs.items()})
-    peer = plant_skipped_init_send(recording, 5)
-    problems = problems_of(recording)
-    assert problems_of(clean) == []  # the clean recording is left as it was
+    peer, problems = planted_bug(PLANTED.world, PLANTED.team, 5, recording=planted_recording)
+    assert problems_of(planted_recording) == []  # the clean recording is left as it was
     named = [p for p in problems if "from rank 5" in p and "init_send" in p and "has no send" in p]
     assert named, problems[:3]
     assert named[0].startswith(f"rank {peer}'s receive")

@@ -354,9 +354,15 @@ def run_dynamic(world: int, team: int, seed: int, megatron: int) -> dict:
     return _row(name, world, recording, seconds, before, megatron)
 
 
-def planted_bug(world: int = 128, team: int = 8, rank: int = 5) -> tuple[int, list[str]]:
-    """The planted bug at ``world``: ``rank`` skips one piece of its initial send."""
-    recording = record_static(Config(world, team))
+def planted_bug(world: int = 128, team: int = 8, rank: int = 5,
+                recording: Recording | None = None) -> tuple[int, list[str]]:
+    """The planted bug at ``world``: ``rank`` skips one piece of its initial send. Planted in a
+    copy of ``recording`` (a clean recording of ``Config(world, team)``, left as it is) when one
+    is given, else in a fresh recording."""
+    if recording is None:
+        recording = record_static(Config(world, team))
+    else:
+        recording = dataclasses.replace(recording, programs={r: list(p) for r, p in recording.programs.items()})
     peer = plant_skipped_init_send(recording, rank)
     return peer, problems_of(recording)
 
