@@ -12,6 +12,7 @@ they skip and say which.
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import pytest
 from tests import early
 from tests.fake_cuda.build import build_shim, why_not_buildable
 from tests.fake_cuda.kernel_matrix import ADAPTERS
-from tests.fake_cuda.matrix import KERNEL_OPS, cases
+from tests.fake_cuda.matrix import KERNEL_OPS, KERNELS, LAYOUTS, ROTATIONS, TEAMS, cases
 from tests.fake_cuda.run import fake_cuda_command, fake_cuda_env
 
 
@@ -74,7 +75,34 @@ def failing(matrix, wrong):
 
 def test_every_case_ran(matrix):
     assert sorted(tuple(r["case"].values()) for r in matrix) == sorted(cases())
-    assert len(matrix) == 82
+    assert len(matrix) == 27
+
+
+def pairs(rows, settings):
+    """{(a, b): the pairs of their values that ``rows`` (dicts) run} for every two ``settings``."""
+    return {(a, b): {(r[a], r[b]) for r in rows} for a, b in itertools.combinations(settings, 2)}
+
+
+def test_the_matrix_runs_every_value_and_every_pair_of_settings():
+    rows = [dict(zip(("team", "layout", "rotation", "regather", "kernel"), ((p, c), *rest)))
+            for p, c, *rest in cases()]
+    values = {"team": TEAMS, "layout": LAYOUTS, "rotation": ROTATIONS, "regather": (False, True), "kernel": KERNELS}
+    # With torch's flash kernel: every pair of (P, C), layout, rotation and regathering.
+    flash = [r for r in rows if r["kernel"] == KERNELS[0]]
+    assert pairs(flash, ["team", "layout", "rotation", "regather"]) == {
+        (a, b): set(itertools.product(values[a], values[b]))
+        for a, b in itertools.combinations(["team", "layout", "rotation", "regather"], 2)}
+    # Each other kernel: every layout with every rotation, each of its two teams with each rotation
+    # and with each layout but the memory-efficient kernel's document layout (P8 C2 only).
+    for kernel in KERNELS[1:]:
+        mine = [r for r in rows if r["kernel"] == kernel]
+        got = pairs(mine, ["team", "layout", "rotation"])
+        assert got[("layout", "rotation")] == set(itertools.product(LAYOUTS, ROTATIONS)), kernel
+        assert got[("team", "rotation")] == set(itertools.product([(8, 2), (16, 4)], ROTATIONS)), kernel
+        skipped = {((16, 4), "document")} if kernel == "torch_cuda_efficient" else set()
+        assert got[("team", "layout")] == set(itertools.product([(8, 2), (16, 4)], LAYOUTS)) - skipped, kernel
+        assert not any(r["regather"] for r in mine), kernel
+    assert len(set(map(lambda r: tuple(r.values()), rows))) == len(rows)  # no case twice
 
 
 def test_nccl_transport_and_the_expected_kernel(matrix):

@@ -45,20 +45,30 @@ KERNEL_OPS = {
 ATTENTION_OPS = set().union(*KERNEL_OPS.values())
 
 
+TEAMS = [(8, 1), (8, 2), (16, 1), (16, 2), (16, 4)]  # (P, C)
+LAYOUTS, ROTATIONS = ("dense", "sample", "document"), ("q", "kv")
+KERNELS = ("torch_cuda_flash", "torch_cuda_efficient", "flash_attn")
+
+
 def cases(quick: bool = False):
-    """(P, C, layout, rotation, regather, kernel): every (P, C) x layout x rotation x regathering with
-    torch's flash kernel; the other kernels on P8 C2 and P16 C4 without regathering, except the
-    memory-efficient kernel on the document layout at P16 C4. That adapter launches once per
-    document piece of a call (its op takes no ``cu_seqlens``): those two cases dispatched ~27,000
-    ops each and took 68 of the matrix's 308 CPU-seconds, for the code path P8 C2 already runs
-    (issue 56: the suite's time)."""
-    teams = [(8, 1), (8, 2), (16, 1), (16, 2), (16, 4)]
-    layouts, rotations = ("dense", "sample", "document"), ("q", "kv")
-    out = [(p, c, lay, rot, rg, "torch_cuda_flash")
-           for (p, c), lay, rot, rg in itertools.product(teams, layouts, rotations, (False, True))]
-    out += [(p, c, lay, rot, False, k) for k in ("torch_cuda_efficient", "flash_attn")
-            for (p, c), lay, rot in itertools.product([(8, 2), (16, 4)], layouts, rotations)
-            if (k, p, lay) != ("torch_cuda_efficient", 16, "document")]
+    """(P, C, layout, rotation, regather, kernel): every value of every setting, and every pair of
+    settings together at least once (``tests/test_fake_cuda_rehearsal.py`` asserts both), not the
+    full product. What a case records (its syncs, copies, devices, precisions, transport, kernel
+    ops) follows the code paths that one setting or two together choose: the layout picks the
+    documents' metadata, (P, C) the teams and rings, the rotation and regathering the backward.
+    With torch's flash kernel each (P, C) runs each layout once (15 cases), rotation alternating
+    case by case and regathering every other pair; the memory-efficient kernel and flash-attn run
+    each layout with each rotation (6 cases each), half on P8 C2 and half on P16 C4, except the
+    memory-efficient kernel's document layout, on P8 C2 only: that adapter launches once per
+    document piece of a call (its op takes no ``cu_seqlens``), ~27,000 ops for a P16 C4 case.
+    (The full product, 82 cases, took 288 CPU-seconds of a 2-core run; these 27 take ~115: issue
+    56, the suite's time.)"""
+    out = [(p, c, layout, ROTATIONS[i % 2], bool(i // 2 % 2), KERNELS[0])
+           for i, ((p, c), layout) in enumerate(itertools.product(TEAMS, LAYOUTS))]
+    for kernel in KERNELS[1:]:
+        for i, (layout, rotation) in enumerate(itertools.product(LAYOUTS, ROTATIONS)):
+            on_p8 = (i + i // 2) % 2 == 0 or (kernel, layout) == ("torch_cuda_efficient", "document")
+            out.append((*((8, 2) if on_p8 else (16, 4)), layout, rotation, False, kernel))
     return out[:: 7] if quick else out
 
 
