@@ -25,6 +25,16 @@ STAT_FIELDS = ["p2p_bytes_sent", "p2p_bytes_recv", "collective_bytes_sent", "col
 HEAD_CASES = [(8, 8, 4), (12, 8, 2), (6, 10, 1)]
 
 
+ROTATIONS = ("q", "kv")
+
+
+def rotation_of(setting_index, head_case_index):
+    """The backward rotation a (group setting, head case) runs with: alternating, so that every
+    setting runs both rotations, every head case both, and every setting every head case (one
+    rotation each, not both: the 8-rank world's cases were 48 runs of the ring, now 24)."""
+    return ROTATIONS[(setting_index + head_case_index) % 2]
+
+
 def mla_inputs(seed, seq, kv_heads, dqk, dv):
     """q ``[seq, 1, h, dqk]``, k ``[seq, 1, hkv, dqk]``, v ``[seq, 1, hkv, dv]``, dout ``[seq, 1, h, dv]``."""
     gen = torch.Generator().manual_seed(seed)
@@ -52,9 +62,11 @@ def exactness_worker(rank, world_size):
     torch.utils.deterministic.fill_uninitialized_memory = True  # NaN-poisoned empty memory
     failures, checked = [], 0
     settings = [(1, 2, "ring"), (2, 2, "ring"), (1, 1, "multiring"), (2, 1, "multiring")]
-    for (u, c, transfer), rotation in itertools.product(settings, ("q", "kv")):
+    for (s, (u, c, transfer)), rotation in itertools.product(enumerate(settings), ROTATIONS):
         groups = new_startrail_groups(team_size=c, ulysses_size=u, backward_rotation=rotation)
         for n, (dqk, dv, kv_heads) in enumerate(HEAD_CASES):
+            if rotation_of(s, n) != rotation:
+                continue
             causal = n != 2
             full = mla_inputs(7 * n + c + u, 2 * world_size * CHUNK, kv_heads, dqk, dv)
             ref = [local_rows(t, rank, world_size) for t in reference_with_grads(*full, causal, dqk**-0.5)]
@@ -95,7 +107,11 @@ def test_regather_and_mla_head_dims_match_float64_and_closed_form_comm():
     results = run_ranks(exactness_worker, 8, timeout=600)
     failures = sorted({f for fails, _ in results for f in fails})
     assert not failures, "\n".join(failures[:40])
-    assert all(n == 4 * 2 * len(HEAD_CASES) * 2 + 2 for _, n in results)
+    assert all(n == 4 * len(HEAD_CASES) * 2 + 2 for _, n in results)
+    # every setting with both rotations, every head case with both
+    runs = {(s, n, rotation_of(s, n)) for s in range(4) for n in range(len(HEAD_CASES))}
+    assert {(s, r) for s, _, r in runs} == set(itertools.product(range(4), ROTATIONS))
+    assert {(n, r) for _, n, r in runs} == set(itertools.product(range(len(HEAD_CASES)), ROTATIONS))
 
 
 def memory_worker(rank, world_size, team_size):
