@@ -6,6 +6,8 @@ Megatron's CP layout, and compares against float64 attention on the whole sequen
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 
@@ -136,3 +138,12 @@ def window_mask(delta: torch.Tensor, window: tuple[int, int], causal: bool) -> t
     if right >= 0:
         mask &= delta <= right
     return mask
+
+
+def pairs_not_run(cases, values) -> list:
+    """``(i, a, j, b)`` for every pair of settings ``i < j`` and values ``a`` of ``values[i]``, ``b``
+    of ``values[j]`` that no case of ``cases`` (tuples, one value per setting) runs together: the
+    test of a case list cut from a full product to every pair of settings."""
+    return [(i, a, j, b) for i, j in itertools.combinations(range(len(values)), 2)
+            for a, b in itertools.product(values[i], values[j])
+            if not any(case[i] == a and case[j] == b for case in cases)]
