@@ -274,7 +274,9 @@ def forward_step(
     rows no call has written yet (Note [fresh rows]). ``max_logit [h]``: the running largest
     unscaled ``q . k`` per head, raised by each call's pairs (:mod:`megatron_startrail.max_logit`)."""
     dqk = q.shape[-1]
-    for call in device_calls(q_segments, k_segments, causal, window, max_rows, q.device, q.shape[1]):
+    # Note [whole key runs] in layout.py: a kernel whose temporaries do not grow with the keys
+    whole_key_runs = not getattr(kernel, "workspace_grows_with_keys", True)
+    for call in device_calls(q_segments, k_segments, causal, window, max_rows, q.device, q.shape[1], whole_key_runs):
         kvs, qs = _rows(kv, call, "k"), _rows(q, call, "q")
         out, lse = kernel.forward(qs, kvs[..., :dqk], kvs[..., dqk:], call, scale=scale)
         if max_logit is not None:

@@ -614,15 +614,31 @@ def _merge_neighbours(sequences, max_rows):
 
 
 def plan_calls(q_segments: tuple[Segment, ...], k_segments: tuple[Segment, ...], causal: bool,
-               window: tuple[int, int] | None = None, max_rows: int | None = None) -> tuple[KernelCall, ...]:
+               window: tuple[int, int] | None = None, max_rows: int | None = None,
+               whole_key_runs: bool = False) -> tuple[KernelCall, ...]:
     """The kernel calls that cover exactly the visible (query, key) pairs, each once
-    (Note [kernel calls]; Note [causal blocks] for what causal means across chunks)."""
-    return _plan_calls(_plain(q_segments), _plain(k_segments), causal, window, max_rows)
+    (Note [kernel calls]; Note [causal blocks] for what causal means across chunks).
+    ``whole_key_runs``: a full sequence whose keys are one run of rows takes them all, past
+    ``max_rows`` (Note [whole key runs])."""
+    return _plan_calls(_plain(q_segments), _plain(k_segments), causal, window, max_rows, whole_key_runs)
+
+
+# Note [whole key runs]
+# ---------------------
+# ``max_rows`` bounds a call's key rows for the kernels whose temporaries grow with them (the
+# reference kernel's [sq, sk] scores). A fused kernel's forward holds out and lse of its query
+# rows whatever the keys, so there a full sequence's keys, when they are one run of rows (a
+# view: nothing is gathered), go to one call instead of max_rows tiles: each query row is merged
+# once per run instead of once per tile. At P8 C2, 128K, the forward's step 1 holds the whole
+# sub-ring payload (C*n rows of K, V): 4 calls of n keys became 2 of 2n, two merges of n/2 rows
+# fewer. Keys in several runs stay cut (a longer gather would be a temporary that grows with
+# them), and the backward keeps max_rows (its dK, dV are key rows).
 
 
 @functools.lru_cache(maxsize=4096)  # pure, and called every step with the same few layouts
 def _plan_calls(q_segments: tuple[Segment, ...], k_segments: tuple[Segment, ...], causal: bool,
-                window: tuple[int, int] | None, max_rows: int | None) -> tuple[KernelCall, ...]:
+                window: tuple[int, int] | None, max_rows: int | None,
+                whole_key_runs: bool = False) -> tuple[KernelCall, ...]:
     bounds = normalize_window(window, causal)
     lo, hi = bounds if bounds is not None else (-INF, 0 if causal else INF)
     runs = _key_runs(k_segments)
@@ -639,7 +655,8 @@ def _plan_calls(q_segments: tuple[Segment, ...], k_segments: tuple[Segment, ...]
             rows = (qo + q0 - qa, qo + q1 - qa)
             q_tiles = [rows] if max_rows is None else [
                 (a, min(rows[1], a + max_rows)) for a in range(rows[0], rows[1], max_rows)]
-            k_tiles = [keys] if max_rows is None else _split_ranges(keys, max_rows)
+            whole = max_rows is None or (whole_key_runs and len(keys) == 1)  # Note [whole key runs]
+            k_tiles = [keys] if whole else _split_ranges(keys, max_rows)
             by_class.setdefault((-1, -1), []).extend((t, k) for t in q_tiles for k in k_tiles)
     calls = []
     for cls in sorted(by_class):

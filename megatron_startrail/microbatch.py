@@ -153,9 +153,9 @@ class DeviceCalls:
         self.device, self.batch, self.views = device, batch, {}
         self.copies = 0  # buffers made (tests count them)
         calls = []
-        for q_runs, k_runs, causal, window, max_rows in list(_requests(docs)):
+        for q_runs, k_runs, causal, window, max_rows, whole_key_runs in list(_requests(docs)):
             calls += plan_calls(segments_of_runs(docs, q_runs), segments_of_runs(docs, k_runs), causal, window,
-                                max_rows)
+                                max_rows, whole_key_runs)
         self.add(calls)
 
     def add(self, calls) -> None:
@@ -179,19 +179,21 @@ def _requests(docs) -> OrderedDict:
     return requests
 
 
-def _remember(docs, q_segments, k_segments, causal, window, max_rows) -> None:
+def _remember(docs, q_segments, k_segments, causal, window, max_rows, whole_key_runs) -> None:
     """Keep a step's request as runs of CP ranks' rows, for the next micro-batches."""
     requests = _requests(docs)
-    requests[(rank_runs(docs, q_segments), rank_runs(docs, k_segments), causal, window, max_rows)] = None
+    requests[(rank_runs(docs, q_segments), rank_runs(docs, k_segments), causal, window, max_rows,
+              whole_key_runs)] = None
     while len(requests) > _REQUESTS_PER_SHAPE:
         requests.popitem(last=False)
 
 
-def device_calls(q_segments, k_segments, causal: bool, window, max_rows, device, batch: int) -> list:
+def device_calls(q_segments, k_segments, causal: bool, window, max_rows, device, batch: int,
+                 whole_key_runs: bool = False) -> list:
     """The kernel calls of one step (:func:`~megatron_startrail.layout.plan_calls`), bound to their
     micro-batch's device metadata (Note [device metadata]); plain calls where the segments do not
     know their documents (each call then makes its tensors when asked)."""
-    calls = plan_calls(q_segments, k_segments, causal, window, max_rows)
+    calls = plan_calls(q_segments, k_segments, causal, window, max_rows, whole_key_runs)
     docs = docs_of(q_segments, k_segments)
     if docs is None or not calls:
         return list(calls)
@@ -205,6 +207,6 @@ def device_calls(q_segments, k_segments, causal: bool, window, max_rows, device,
         # Only rows the layout functions made (both sides know their documents) are the same
         # rows in every micro-batch; the halo's own concatenation depends on the documents.
         if docs_of(q_segments) is docs and docs_of(k_segments) is docs:
-            _remember(docs, q_segments, k_segments, causal, window, max_rows)
+            _remember(docs, q_segments, k_segments, causal, window, max_rows, whole_key_runs)
         metadata.add(missing)
     return [BoundCall(call, metadata.views, device) for call in calls]

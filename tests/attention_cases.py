@@ -105,7 +105,7 @@ def flash_rule(sq, sk, window):
     return mask
 
 
-def plan_coverage(q_segments, k_segments, causal, window=None, max_rows=None):
+def plan_coverage(q_segments, k_segments, causal, window=None, max_rows=None, whole_key_runs=False):
     """How many times each (query row, key row) pair of local storage is computed by the
     planned kernel calls, each sequence read with :func:`flash_rule` (not taken from the
     kernels). Also checks what the merge relies on:
@@ -113,11 +113,15 @@ def plan_coverage(q_segments, k_segments, causal, window=None, max_rows=None):
     q_total = sum(b - a for _, a, b in q_segments)
     k_total = sum(b - a for _, a, b in k_segments)
     count = torch.zeros(q_total, k_total, dtype=torch.int64)
-    for call in plan_calls(q_segments, k_segments, causal, window, max_rows):
+    for call in plan_calls(q_segments, k_segments, causal, window, max_rows, whole_key_runs):
         rows = torch.cat([torch.arange(a, b) for a, b in call.q_rows])
         assert len(set(rows.tolist())) == len(rows), "sequences of one call share a query row"
         if max_rows is not None:
             assert len(rows) <= max_rows or len(call.q_rows) == 1
+            keys = sum(b - a for ranges in call.k_rows for a, b in ranges)
+            assert keys <= max_rows or len(call.q_rows) == 1
+            if call.window == (-1, -1) and keys > max_rows:  # full keys are tiled, except (Note [whole
+                assert whole_key_runs and call.k_slice is not None  # key runs]) one run of them: a view
         for (q0, q1), k_rows in zip(call.q_rows, call.k_rows):
             cols = torch.cat([torch.arange(a, b) for a, b in k_rows])
             sub = flash_rule(q1 - q0, len(cols), call.window)

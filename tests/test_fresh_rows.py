@@ -72,3 +72,54 @@ def test_fresh_rows_give_the_zero_initialised_results_bitwise(dtype):
     out, lse = plain[0], plain[1]
     assert torch.isneginf(lse[-3:]).all() and (out[-3:] == 0).all()  # the padding rows saw nothing
     assert torch.isfinite(lse[:-3]).all()
+
+
+class _FusedLikeReference(ReferenceKernel):
+    """The reference kernel's math, planned as a fused kernel is (Note [whole key runs] in layout.py)."""
+
+    workspace_grows_with_keys = False
+
+
+def _forward(kernel, q, kv, segments, max_rows):
+    # q [Sq, b, h, d], kv [Sk, b, hkv, 2d]: one step over the whole payload; out/lse poisoned first
+    rows_fresh = blocks.FreshRows(q.shape[0])
+    acc_out, acc_lse = blocks.new_partials(q, q.shape[-1], rows_fresh)
+    acc_out.fill_(float("nan"))
+    acc_lse.fill_(float("nan"))
+    merges = []
+    original = blocks.merge_lse_
+    blocks.merge_lse_ = lambda *args: (merges.append(args[0].shape[2]), original(*args))
+    try:
+        blocks.forward_step(kernel, q, kv, Q_SEGMENTS, segments, acc_out, acc_lse, causal=True,
+                            scale=q.shape[-1] ** -0.5, max_rows=max_rows, fresh=rows_fresh)
+    finally:
+        blocks.merge_lse_ = original
+    blocks.fill_unseen(acc_out, acc_lse, rows_fresh)
+    return acc_out, acc_lse, merges
+
+
+def test_a_fused_kernel_takes_a_run_of_keys_whole_in_the_forward():
+    # Q_SEGMENTS' rows against keys at positions 0..23 of document 0, one run of 24 rows, with
+    # max_rows 6: the reference kernel's keys come in tiles of 6 (a merge per tile and query row);
+    # a kernel whose temporaries do not grow with the keys takes the run in one call. The results
+    # agree to float64 rounding (merged in another order), and match attention over the whole rows.
+    gen = torch.Generator().manual_seed(3)
+    b, h, hkv, d = 2, 4, 2, 16
+    q = torch.randn(24, b, h, d, generator=gen, dtype=torch.float64)
+    kv = torch.randn(24, b, hkv, 2 * d, generator=gen, dtype=torch.float64)
+    segments = ((0, 0, 24),)
+    tiled_out, tiled_lse, tiled_merges = _forward(ReferenceKernel(), q, kv, segments, 6)
+    whole_out, whole_lse, whole_merges = _forward(_FusedLikeReference(), q, kv, segments, 6)
+    assert not whole_out.isnan().any() and not whole_lse.isnan().any()
+    torch.testing.assert_close(whole_out, tiled_out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(whole_lse, tiled_lse, rtol=1e-12, atol=1e-12)
+    # Rows 8..15 (positions 24..31) see all 24 keys: tiled, 4 calls of 6 keys, the first copied in
+    # and 3 merged (rows cut at 6: merges of 6 and 2 rows); whole, one call copied in. Rows 0..7
+    # (the causal diagonal) take one call either way; document 1 and the padding see nothing.
+    assert tiled_merges == [6, 6, 6, 2, 2, 2] and whole_merges == []
+    # Against attention over the rows themselves
+    k, v = kv[..., :d].repeat_interleave(h // hkv, 2), kv[..., d:].repeat_interleave(h // hkv, 2)
+    scores = torch.einsum("qbhd,kbhd->bhqk", q[8:16], k) * d ** -0.5
+    want = torch.einsum("bhqk,kbhd->bhqd", scores.softmax(-1), v)
+    torch.testing.assert_close(whole_out[:, :, 8:16], want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(whole_lse[:, :, 8:16], scores.logsumexp(-1), rtol=1e-12, atol=1e-12)

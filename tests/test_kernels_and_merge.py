@@ -194,7 +194,7 @@ def test_plan_covers_exactly_the_visible_pairs(seed):
     delta = kp[None, :] - qp[:, None]
     for causal in (True, False):
         for window in (None, (3, 0), (0, 2), (7, 4), (4, -1), (-1, 1)):
-            for max_rows in (None, 5):
+            for max_rows, whole_key_runs in ((None, False), (5, False), (5, True)):
                 visible = qd[:, None] == kd[None, :]
                 if causal:
                     visible &= delta <= 0
@@ -203,8 +203,8 @@ def test_plan_covers_exactly_the_visible_pairs(seed):
                         visible &= delta >= -window[0]
                     if window[1] >= 0:
                         visible &= delta <= window[1]
-                got = plan_coverage(q_segments, k_segments, causal, window, max_rows)
-                assert torch.equal(got, visible.long()), (causal, window, max_rows)
+                got = plan_coverage(q_segments, k_segments, causal, window, max_rows, whole_key_runs)
+                assert torch.equal(got, visible.long()), (causal, window, max_rows, whole_key_runs)
 
 
 def _class_count(q, k, causal, window=None):

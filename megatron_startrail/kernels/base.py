@@ -27,6 +27,11 @@ from ..layout import KernelCall
 
 class BlockKernel(Protocol):
     name: str
+    # Whether a call's temporaries grow with its key rows (the reference kernel's [sq, sk] scores):
+    # then the planner cuts every call's keys at a rank's rows; a fused kernel (False) takes a
+    # full sequence's one run of keys whole in the forward (Note [whole key runs] in layout.py).
+    # The schedule reads it with getattr, True when absent.
+    workspace_grows_with_keys: bool
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: KernelCall, *, scale: float

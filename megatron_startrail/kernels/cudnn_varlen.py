@@ -120,6 +120,7 @@ class TorchCUDACudnnVarlenKernel(CheckedKernel, EqualHeadDimsKernel, _CudnnRagge
     """``aten::_cudnn_attention_forward`` with ``cum_seq``: packed documents in one cuDNN launch."""
 
     name = "torch_cuda_cudnn_varlen"
+    workspace_grows_with_keys = False  # fused: out and lse of the query rows (Note [whole key runs])
     head_dim_multiple = 8
     # the per-sequence fallback's launches are the dense cuDNN adapter's
     _attend = TorchCUDACudnnKernel._attend

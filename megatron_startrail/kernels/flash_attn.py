@@ -106,6 +106,7 @@ class FlashAttnKernel(CheckedKernel, EqualHeadDimsKernel, _FlashAttnVarlen):
     """flash-attn 2.x (``flash_attn.flash_attn_interface``)."""
 
     name = "flash_attn"
+    workspace_grows_with_keys = False  # fused: out and lse of the query rows (Note [whole key runs])
     head_dim_multiple = 8
     _backward_fn = "_flash_attn_varlen_backward"
 
@@ -119,6 +120,7 @@ class FlashAttn3Kernel(CheckedKernel, EqualHeadDimsKernel, _FlashAttnVarlen):
     """flash-attn 3.x (the top-level ``flash_attn_interface`` module of the hopper/ build)."""
 
     name = "flash_attn_3"
+    workspace_grows_with_keys = False  # fused: out and lse of the query rows (Note [whole key runs])
     head_dim_multiple = 8
     _backward_fn = "_flash_attn_backward"  # 3.x: one backward, variable length through cu_seqlens
 

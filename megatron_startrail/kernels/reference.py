@@ -48,6 +48,7 @@ def _masked(scores: torch.Tensor, causal: bool, mask: torch.Tensor | None) -> to
 
 class ReferenceKernel(CheckedKernel, PerSequenceKernel):
     name = "reference"
+    workspace_grows_with_keys = True  # each sequence's [b, h, sq, sk] scores
 
     # One sequence on [b, h, s, d]; ``mask`` (bool [sq, sk], True = visible) from the call's window.
     def _attend(self, q, k, v, *, causal, mask, scale):

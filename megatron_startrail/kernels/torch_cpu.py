@@ -32,6 +32,7 @@ class TorchCPUFlashKernel(CheckedKernel, EqualHeadDimsKernel, PerSequenceKernel)
     comes back from the op with lse 0; it is set to -inf (out is 0 already)."""
 
     name = "torch_cpu_flash"
+    workspace_grows_with_keys = False  # fused: out and lse of the query rows (Note [whole key runs])
 
     def _attend(self, q, k, v, *, causal, mask, scale):
         out, lse = _fwd(q, k, v, 0.0, causal, attn_mask=additive(mask, q.dtype), scale=scale)

@@ -100,6 +100,7 @@ class TorchCUDAFlashKernel(CheckedKernel, EqualHeadDimsKernel, _TorchFlashVarlen
     """``aten::_flash_attention_forward`` (PyTorch's bundled FlashAttention-2), one call at once."""
 
     name = "torch_cuda_flash"
+    workspace_grows_with_keys = False  # fused: out and lse of the query rows (Note [whole key runs])
     head_dim_multiple = 8
 
 
@@ -119,6 +120,7 @@ class TorchCUDAEfficientKernel(CheckedKernel, PerSequenceKernel):
     so K/V heads are expanded."""
 
     name = "torch_cuda_efficient"
+    workspace_grows_with_keys = False  # fused: out and lse of the query rows (Note [whole key runs])
     head_dim_multiple = 8
 
     def _dims(self, q, v):
@@ -203,6 +205,7 @@ class TorchCUDACudnnKernel(CheckedKernel, EqualHeadDimsKernel, PerSequenceKernel
     cuDNN's variable-length op off, and it takes no window or GQA: flash serves them)."""
 
     name = "torch_cuda_cudnn"
+    workspace_grows_with_keys = False  # fused: out and lse of the query rows (Note [whole key runs])
     head_dim_multiple = 8
 
     def _attend(self, q, k, v, *, causal, mask, scale):
