@@ -64,8 +64,9 @@ def _sub_ring_forward(comm, groups, docs, kernel, transfer, q_team, kv_init: Pie
                       window=None, max_logit=None):
     """Phase 3 (paper Alg. 3): the team's queries against the K, V circulating in the
     sub-ring, step 0 attending to each piece of the initial send as it lands; returns the
-    partial ``acc_out [b, h, C*n, dv]``, ``acc_lse [b, h, C*n]``. ``max_logit [h]``: raised
-    by every call's largest ``q . k`` (:mod:`.max_logit`)."""
+    partial ``acc_out [b, h, C*n, dv]``, ``acc_lse [b, h, C*n]`` and the row runs no call
+    reached (with C > 1 their out rows are left unwritten, Note [unseen rows] in blocks.py).
+    ``max_logit [h]``: raised by every call's largest ``q . k`` (:mod:`.max_logit`)."""
     topo, pos = groups.topology, groups.startrail_rank
     rows = q_team.shape[0]
     fresh = blocks.FreshRows(rows)  # Note [fresh rows] in blocks.py
@@ -78,8 +79,7 @@ def _sub_ring_forward(comm, groups, docs, kernel, transfer, q_team, kv_init: Pie
             blocks.forward_step(kernel, q_team, kv_init.piece(j), q_segments, segment_rows(kv_segments, a, b),
                                 acc_out, acc_lse, causal=causal, scale=scale, window=window,
                                 max_rows=rows // groups.team_size, fresh=fresh, max_logit=max_logit)
-        blocks.fill_unseen(acc_out, acc_lse, fresh)
-        return acc_out, acc_lse
+        return acc_out, acc_lse, blocks.fill_unseen(acc_out, acc_lse, fresh, out=groups.team_size == 1)
     kv_rot = LaneSplit(
         sub_ring_lanes(topo, pos, transfer), rows,
         lambda origin: team_segments(groups, docs, topo.kv_team_at_step(origin, 0)),
@@ -94,26 +94,27 @@ def _sub_ring_forward(comm, groups, docs, kernel, transfer, q_team, kv_init: Pie
 
     rotate(comm, kv_rot.lanes, pos, kv_rot.split([kv_init.tensor]), attend, op="sub_ring",
            pieces=kv_rot.pieces(kv_init))
-    blocks.fill_unseen(acc_out, acc_lse, fresh)
-    return acc_out, acc_lse
+    # In a team the rows no call reached keep their out unwritten: the merge writes them 0 in
+    # its exchange buffer (Note [unseen rows] in blocks.py); alone, out is the result.
+    return acc_out, acc_lse, blocks.fill_unseen(acc_out, acc_lse, fresh, out=groups.team_size == 1)
 
 
 def _team_merge(comm, groups, partials: list[torch.Tensor], dtype, sink=None):
     """Phase 4: member ``m`` merges rows ``[m*n, (m+1)*n)`` of the team's partial results
-    ``partials = [acc_out [b, h, C*n, dv], acc_lse [b, h, C*n]]`` (emptied: they are freed
-    once sent); returns ``out [n, b, h, dv]`` (``dtype``) and ``lse [n, b, h]`` (accumulator
+    ``partials = [acc_out [b, h, C*n, dv], acc_lse [b, h, C*n], unseen]`` (emptied: they are
+    freed once sent; ``unseen``: the row runs no call reached, their out rows unwritten when
+    C > 1); returns ``out [n, b, h, dv]`` (``dtype``) and ``lse [n, b, h]`` (accumulator
     dtype), normalised with the attention sinks ``sink [h]`` when given (:mod:`.sinks`)."""
     c = groups.team_size
-    acc_out, acc_lse = partials
+    acc_out, acc_lse, unseen = partials
     partials.clear()
     b, h, rows, dv = acc_out.shape
     n = rows // c
     if c == 1:
         return blocks.finished(acc_out, acc_lse, dtype, sink)  # [n, b, h, dv], [n, b, h]
-    # [b, h, C*n, dv] -> [C (destination member), b, h, n, dv], cast and made dense in one
-    # copy (the exchange takes it as it is: no second, contiguous copy of the cast).
-    parts = acc_out.new_empty((c, b, h, n, dv), dtype=dtype)
-    parts.copy_(acc_out.view(b, h, c, n, dv).permute(2, 0, 1, 3, 4))
+    # [b, h, C*n, dv] -> [C (destination member), b, h, n, dv], cast and made dense (the
+    # exchange takes it as it is: no second, contiguous copy of the cast), unseen rows 0.
+    parts = blocks.exchange_parts(acc_out, unseen, c, dtype)
     part_lse = acc_lse.view(b, h, c, n).permute(2, 0, 1, 3)
     del acc_out, acc_lse
     # Both exchanges fly at once.

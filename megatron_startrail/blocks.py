@@ -23,6 +23,8 @@ views of one buffer made in one copy per micro-batch, Note [device metadata] in
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 
 from . import max_logit as max_logits
@@ -111,10 +113,56 @@ class FreshRows:
         self._unwritten = []
 
 
-def fill_unseen(acc_out: torch.Tensor, acc_lse: torch.Tensor, fresh: FreshRows | None) -> None:
-    """The forward's accumulators' rows no call reached: out 0, lse -inf (they saw no key)."""
+def fill_unseen(acc_out: torch.Tensor, acc_lse: torch.Tensor, fresh: FreshRows | None, *,
+                out: bool = True) -> list[tuple[int, int]]:
+    """The forward's accumulators' rows no call reached: out 0, lse -inf (they saw no key).
+    Returns those row runs. ``out=False`` leaves their out rows unwritten: the team merge
+    zeroes them in its exchange buffer instead (:func:`exchange_parts`)."""
+    runs: list[tuple[int, int]] = []
+
+    def fill_rows(a: int, b: int) -> None:
+        runs.append((a, b))
+        if out:
+            acc_out[:, :, a:b].zero_()
+        acc_lse[:, :, a:b].fill_(float("-inf"))
+
     if fresh is not None:
-        fresh.fill(lambda a, b: (acc_out[:, :, a:b].zero_(), acc_lse[:, :, a:b].fill_(float("-inf"))))
+        fresh.fill(fill_rows)
+    return runs
+
+
+def exchange_parts(acc_out: torch.Tensor, unseen: list[tuple[int, int]], c: int, dtype: torch.dtype) -> torch.Tensor:
+    """The team merge's all-to-all buffer: ``acc_out [b, h, C*n, dv]`` (rows ``unseen`` left
+    unwritten, :func:`fill_unseen`) as ``[C (destination member), b, h, n, dv]`` in ``dtype``,
+    dense. The rows some call reached are cast in, those none reached written 0 here (Note
+    [unseen rows])."""
+    b, h, rows, dv = acc_out.shape
+    n = rows // c
+    parts = acc_out.new_empty((c, b, h, n, dv), dtype=dtype)
+    if not unseen:  # cast and made dense in one copy
+        parts.copy_(acc_out.view(b, h, c, n, dv).permute(2, 0, 1, 3, 4))
+        return parts
+    unseen = sorted(unseen)  # disjoint runs
+    starts = [a for a, _ in unseen]
+    edges = sorted({0, rows} | {e for run in unseen for e in run} | set(range(n, rows, n)))
+    for x, y in zip(edges, edges[1:]):  # runs of one member's rows, each seen or unseen whole
+        j, i = x // n, bisect.bisect_right(starts, x) - 1
+        rows_of_part = parts[j, :, :, x - j * n : y - j * n]
+        if i >= 0 and x < unseen[i][1]:
+            rows_of_part.zero_()
+        else:
+            rows_of_part.copy_(acc_out[:, :, x:y])
+    return parts
+
+
+# Note [unseen rows]
+# ------------------
+# A team member's partial has rows its K, V never reach (causal: the team's queries before all
+# of them; at P8 C2, 128K, half the team's rows). Zeroed in the float32 accumulator and then
+# cast into the exchange buffer, each such element cost 8 + 8 bytes (read + written, as the
+# layer-traffic count has it); written 0 straight into the bf16 buffer it costs 4. The seen
+# rows are cast run by run (a few runs: a member's rows, cut where a run of unseen ones starts
+# or ends). Their lse is -inf, so the merge weighs them 0 as before.
 
 
 def finished(acc_out: torch.Tensor, acc_lse: torch.Tensor, dtype: torch.dtype,

@@ -356,3 +356,25 @@ def test_the_team_merge_writes_the_normalised_result_in_its_last_op(parts, with_
                        torch.empty(8, **meta) if with_sink else None)
     elements = 8 * 1024 * 128
     assert counts.touched <= (6 + 10 * (parts - 2) + 8 + 1) * elements, dict(counts.by_op_bytes)
+
+
+def test_exchange_parts_casts_the_seen_rows_and_writes_the_unseen_ones_zero():
+    # Note [unseen rows]: C = 3 members of n = 4 rows; unseen runs inside member 0, across the edge of
+    # members 1 and 2, and member 2's end. The unseen rows of acc_out are NaN (never written): the
+    # exchange buffer has 0 there and the float32 rows cast everywhere else.
+    from megatron_startrail.blocks import exchange_parts  # noqa: PLC0415
+
+    gen = torch.Generator().manual_seed(0)
+    b, h, c, n, dv = 2, 3, 3, 4, 5
+    acc_out = torch.randn(b, h, c * n, dv, generator=gen)
+    unseen = [(10, 12), (1, 2), (6, 9)]  # any order
+    seen = torch.ones(c * n, dtype=torch.bool)
+    for a, e in unseen:
+        acc_out[:, :, a:e] = float("nan")
+        seen[a:e] = False
+    parts = exchange_parts(acc_out, unseen, c, torch.bfloat16)
+    assert parts.shape == (c, b, h, n, dv) and parts.dtype == torch.bfloat16 and parts.is_contiguous()
+    want = torch.where(seen[:, None], acc_out, 0.0).view(b, h, c, n, dv).permute(2, 0, 1, 3, 4).to(torch.bfloat16)
+    assert torch.equal(parts, want)
+    assert torch.equal(exchange_parts(acc_out.nan_to_num(), [], c, torch.bfloat16),
+                       acc_out.nan_to_num().view(b, h, c, n, dv).permute(2, 0, 1, 3, 4).to(torch.bfloat16))
