@@ -153,7 +153,7 @@ def run_setting(groups, rank, s: Setting, layout: str, dtype, seed: int, sink: s
     return errors
 
 
-def check_settings(rank, runs, seed: int, settings=SETTINGS) -> tuple[list[str], int]:
+def check_settings(rank, runs, seed: int, settings=SETTINGS, kernel: str = "auto") -> tuple[list[str], int]:
     """Every setting of ``settings`` on each ``(layout, dtype, sink)`` of ``runs``, with
     poisoned uninitialised memory; returns the failures and how many runs were checked."""
     torch.use_deterministic_algorithms(True)
@@ -162,7 +162,8 @@ def check_settings(rank, runs, seed: int, settings=SETTINGS) -> tuple[list[str],
     for index, s in enumerate(settings):
         key = (s.team, s.ulysses, s.rotation)
         if key not in groups:  # collective: every rank builds the same sets in the same order
-            groups[key] = new_startrail_groups(team_size=s.team, ulysses_size=s.ulysses, backward_rotation=s.rotation)
+            groups[key] = new_startrail_groups(team_size=s.team, ulysses_size=s.ulysses, backward_rotation=s.rotation,
+                                               kernel=kernel)
         for layout, dtype, sink in runs:
             errors = run_setting(groups[key], rank, s, layout, dtype, seed=seed + index, sink=sink)
             checked += 1
@@ -183,6 +184,42 @@ def test_every_setting_is_exact_on_the_layouts_megatron_hands_it():
     failures = sorted({f for fails, _ in results for f in fails})
     assert not failures, "\n".join(failures[:40])
     assert all(n == len(SETTINGS) * (len(LAYOUTS) + 1) for _, n in results)
+
+
+# Note [whole key runs] (layout.py): a kernel whose temporaries do not grow with the keys (CPU flash
+# here, as the GPU adapters) is planned with a full sequence's one run of keys whole in the forward.
+# The settings whose forward has such runs past a rank's rows (a team's whole sub-ring payload),
+# packed and windowed ones among them, on Megatron's fused layout in float64.
+FUSED_PLANNED = ("C2 q", "C2 kv", "U2 C2 kv GQA", "window schedule", "packed sample", "packed document THD",
+                 "MLA C2 q")
+
+
+def fused_planning_worker(rank, world_size):
+    """check_settings with CPU flash; also how many forward calls took keys past ``max_rows``."""
+    from megatron_startrail import blocks  # noqa: PLC0415
+
+    settings, past_max_rows, plan = [s for s in SETTINGS if s.name in FUSED_PLANNED], [], blocks.device_calls
+
+    def device_calls(q_segments, k_segments, causal, window, max_rows, device, batch, whole_key_runs=False):
+        calls = plan(q_segments, k_segments, causal, window, max_rows, device, batch, whole_key_runs)
+        past_max_rows.extend(c for c in calls if max_rows and c.k_slice and c.k_slice[1] - c.k_slice[0] > max_rows)
+        return calls
+
+    blocks.device_calls = device_calls
+    try:
+        failures, checked = check_settings(rank, [("fused", torch.float64, None)], seed=700, settings=settings,
+                                           kernel="torch_cpu_flash")
+    finally:
+        blocks.device_calls = plan
+    return failures, checked, len(past_max_rows)
+
+
+def test_a_kernel_planned_with_whole_key_runs_is_exact():
+    results = run_ranks(fused_planning_worker, WORLD, timeout=600)
+    failures = sorted({f for fails, _, _ in results for f in fails})
+    assert not failures, "\n".join(failures[:40])
+    assert all(n == len(FUSED_PLANNED) for _, n, _ in results)
+    assert sum(whole for _, _, whole in results) > 0  # the plan this is about ran
 
 
 def table_worker(rank, world_size):
