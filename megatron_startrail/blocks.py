@@ -356,6 +356,23 @@ def forward_step(
         del out, lse, kvs
 
 
+def _rows_of_call(call: KernelCall) -> int:
+    """Query plus key rows of a call (host ints)."""
+    return call.cu_seqlens_q[-1] + call.cu_seqlens_k[-1]
+
+
+# Note [largest call first]
+# -------------------------
+# A step's calls may come in any order (each call's gradients are exact on their own, Note [kernel
+# calls]); the backward runs the largest first. Its rows are then the ones no call has written yet,
+# which it writes as they are (Note [fresh rows]), and the smaller calls that share rows with it add.
+# The other way round a per-sequence kernel's ``backward_into`` finds the large call's side partly
+# written and zeroes the rest before adding: at P8 C2, 128K, the diagonal call (both zigzag halves)
+# came after the full call on one of them, 8192 rows of dQ zeroed (0.13 GB a layer, MHA 16 x 128).
+# The document layout moves less too (P8 C2 MHA 20.80 -> 19.99 GB a layer as counted): there too
+# more rows are first written by a large call's copy.
+
+
 def backward_step(
     kernel: BlockKernel,
     q: torch.Tensor,
@@ -379,7 +396,8 @@ def backward_step(
     (at most ``max_rows`` query and key rows per kernel call); ``fresh_q`` / ``fresh_kv``:
     their rows no call has written yet (Note [fresh rows])."""
     dqk = q.shape[-1]
-    for call in device_calls(q_segments, k_segments, causal, window, max_rows, q.device, q.shape[1]):
+    calls = device_calls(q_segments, k_segments, causal, window, max_rows, q.device, q.shape[1])
+    for call in sorted(calls, key=_rows_of_call, reverse=True):  # Note [largest call first]
         kvs = _rows(kv, call, "k")
         inputs = (_rows(dout, call, "q"), _rows(q, call, "q"), kvs[..., :dqk], kvs[..., dqk:], _rows(out, call, "q"),
                   _rows(lse, call, "q").permute(1, 2, 0), call)

@@ -123,3 +123,39 @@ def test_a_fused_kernel_takes_a_run_of_keys_whole_in_the_forward():
     want = torch.einsum("bhqk,kbhd->bhqd", scores.softmax(-1), v)
     torch.testing.assert_close(whole_out[:, :, 8:16], want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(whole_lse[:, :, 8:16], scores.logsumexp(-1), rtol=1e-12, atol=1e-12)
+
+
+def test_the_backward_runs_a_steps_largest_call_first_and_zeroes_nothing():
+    # Note [largest call first]: zigzag chunks (0, 3) against themselves plan a full call (chunk 3's
+    # queries, chunk 0's keys: 4 + 4 rows) before the diagonal one (both chunks: 8 + 8). The backward
+    # runs the diagonal first: every row of it unwritten, written as it is; the full call adds. In
+    # plan order the diagonal call would find dQ rows 4..7 written and zero rows 0..3 first.
+    from torch.utils._python_dispatch import TorchDispatchMode  # noqa: PLC0415
+
+    from megatron_startrail.layout import plan_calls  # noqa: PLC0415
+
+    segments = ((0, 0, 4), (0, 12, 16))  # zigzag chunks 0 and 3 of 4 tokens
+    assert [len(c.q_rows) for c in plan_calls(segments, segments, True)] == [1, 2]  # full, then diagonal
+
+    class Zeroes(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Zeroes.count += func.overloadpacket.__name__ == "zero_"
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(5)
+    b, h, d = 2, 4, 16
+    q, dout, out = (torch.randn(8, b, h, d, generator=gen, dtype=torch.float64) for _ in range(3))
+    kv = torch.randn(8, b, h, 2 * d, generator=gen, dtype=torch.float64)
+    lse = torch.randn(8, b, h, generator=gen, dtype=torch.float64)
+    kw = dict(causal=True, scale=d ** -0.5)
+    dq, dkv = torch.full_like(q, float("nan")), torch.full_like(kv, float("nan"))
+    with Zeroes():
+        blocks.backward_step(ReferenceKernel(), q, dout, out, lse, kv, segments, segments, dq, dkv,
+                             fresh_q=blocks.FreshRows(8), fresh_kv=blocks.FreshRows(8), **kw)
+    assert Zeroes.count == 0
+    want_dq, want_dkv = torch.zeros_like(q), torch.zeros_like(kv)
+    blocks.backward_step(ReferenceKernel(), q, dout, out, lse, kv, segments, segments, want_dq, want_dkv, **kw)
+    torch.testing.assert_close(dq, want_dq, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dkv, want_dkv, rtol=1e-12, atol=1e-12)
