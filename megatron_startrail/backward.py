@@ -17,7 +17,7 @@ import torch
 from . import blocks
 from .comm import Communicator
 from .initial_send import PieceTransfer, ReverseInitialSend
-from .layout import segment_rows
+from .layout import coalesce, plan_calls, segment_rows
 from .schedule import rotate
 from .team import gather_team_and_send, team_segments
 from .transfer import LaneSplit, sub_ring_lanes
@@ -159,6 +159,34 @@ def _reduce_reverse_pieces(comm, groups, reverse: ReverseInitialSend) -> torch.T
 # float32 MHA: peak 25.1 -> 21.1 shares of a rank's q (ring 17.0).
 
 
+# Note [step-0 rows]
+# ------------------
+# With rotation "q" a position's step-0 dQ is the first contribution to its payload's
+# accumulator. Its rows that no step-0 call reaches (at P8 C2, causal: a member's early zigzag
+# half, 8192 of 16384 rows) used to be zeroed, sent, and added in by the next position: 0.27 +
+# 0.40 GB a layer at 128K, MHA 16 x 128. Which rows a step-0 contribution holds follows from
+# the planner alone (position o's step-0 calls are plan_calls of o's payload against o's K, V
+# pieces, and every call writes all its query rows), so every position can tell it for any
+# other: the sender leaves the other rows unwritten and the next position adds only the rows
+# that hold gradients. Where those are more than a few runs (packed documents), the zeros are
+# written and added as before: an add per run would cost more launches than the bytes save.
+
+_STEP0_MAX_RUNS = 4
+
+
+def _step0_rows(groups, docs, q_rot: LaneSplit, lane_index: int, origin: int, bounds, *, causal, window,
+                max_rows) -> tuple[tuple[int, int], ...] | None:
+    """The rows of lane ``lane_index``'s part of ``origin``'s payload that ``origin``'s step-0
+    calls write (host runs; the same on every position), or None when they are more than
+    :data:`_STEP0_MAX_RUNS` runs (Note [step-0 rows])."""
+    q_segments = q_rot.part_segments(origin, lane_index)
+    kv_segments = team_segments(groups, docs, groups.topology.kv_team_at_step(origin, 0))
+    runs = coalesce([r for a, b in bounds
+                     for call in plan_calls(q_segments, segment_rows(kv_segments, a, b), causal, window, max_rows)
+                     for r in call.q_rows])
+    return runs if len(runs) <= _STEP0_MAX_RUNS else None
+
+
 def backward_q(ctx, dout, saved: list):
     """The backward with rotation "q" (paper 3.2.1: K, V fixed; Q, dO, out, lse and dQ
     circulate), streamed member by member (Note [streamed rotation q]), and piece by piece
@@ -220,8 +248,16 @@ def backward_q(ctx, dout, saved: list):
             q_rot = LaneSplit(lanes, n, lambda origin, i=i: segment_rows(
                 team_segments(groups, docs, topo.team_of(origin)), i * n, (i + 1) * n))
             final = (i == c - 1, len(q_rot.lanes[0].order) - 1)  # the last pass's last step
+            # Note [step-0 rows]: per lane, the rows this position's step-0 dQ holds and those of
+            # the one that arrives at step 1 (None: all rows, zeros included)
+            sent, arriving = [None] * len(q_rot.lanes), None
+            if len(q_rot.lanes[0].order) > 1:
+                plan = dict(causal=ctx.causal, window=ctx.window, max_rows=n)
+                sent = [_step0_rows(groups, docs, q_rot, k, pos, kv_init.bounds, **plan) for k in range(len(sent))]
+                arriving = [_step0_rows(groups, docs, q_rot, k, lane.prev(pos), kv_init.bounds, **plan)
+                            for k, lane in enumerate(q_rot.lanes)]
 
-            def step_q(step, payloads, _rows, q_rot=q_rot, pieces=pieces, final=final):
+            def step_q(step, payloads, _rows, q_rot=q_rot, pieces=pieces, final=final, sent=sent):
                 dqs = [held[0].new_empty(held[0].shape, dtype=acc_dtype) for held in payloads]
                 fresh_q = [blocks.FreshRows(held[0].shape[0]) for held in payloads]
                 for j in pieces:  # K, V pieces, as they land (the first pass's step 0)
@@ -236,11 +272,14 @@ def backward_q(ctx, dout, saved: list):
                     del kv
                     if final == (True, step) and j != pieces[-1]:
                         send_back(j)  # flies while the round's later pieces compute
-                for dq_part, fresh in zip(dqs, fresh_q):
+                for dq_part, fresh, rows in zip(dqs, fresh_q, sent):
+                    if step == 0 and rows is not None:  # Note [step-0 rows]: the next position adds only `rows`
+                        continue
                     fresh.fill(lambda x, y, dq_part=dq_part: dq_part[x:y].zero_())
                 return [[dq_part] for dq_part in dqs]
 
-            home = rotate(comm, q_rot.lanes, pos, q_rot.split(side.pop()), step_q, op="sub_ring", accumulate=True)
+            home = rotate(comm, q_rot.lanes, pos, q_rot.split(side.pop()), step_q, op="sub_ring", accumulate=True,
+                          received_rows=lambda step, arriving=arriving: arriving if step == 1 else None)
             dq_i = q_rot.join([lane_acc[0] for lane_acc in home])  # [n, b, h, dqk]: member i's rows
             del home
             if c > 1:  # reduced to member i at once: one member's dQ buffer live, not C of them

@@ -113,12 +113,19 @@ class _Contributions:
                 full[a:b].copy_(c)
 
 
-def _add_received(contrib: list[list[torch.Tensor]], received: list[list[torch.Tensor]]) -> None:
+def _add_received(contrib: list[list[torch.Tensor]], received: list[list[torch.Tensor]],
+                  rows: Sequence[Sequence[tuple[int, int]] | None] | None = None) -> None:
     """``contrib += received``, tensor by tensor (a function of its own: a loop variable left
-    bound in :func:`rotate` would hold the received buffer through the next step)."""
-    for lane_c, lane_r in zip(contrib, received):
+    bound in :func:`rotate` would hold the received buffer through the next step); with
+    ``rows``, per lane, only those row runs of it (None: all)."""
+    for index, (lane_c, lane_r) in enumerate(zip(contrib, received)):
+        runs = rows[index] if rows is not None else None
         for c, r in zip(lane_c, lane_r):
-            c.add_(r)
+            if runs is None:
+                c.add_(r)
+            else:
+                for a, b in runs:
+                    c[a:b].add_(r[a:b])
 
 
 def rotate(
@@ -131,6 +138,7 @@ def rotate(
     op: str,
     accumulate: bool = False,
     pieces: Sequence[Piece] | None = None,
+    received_rows: Callable[[int], Sequence[Sequence[tuple[int, int]] | None] | None] | None = None,
 ) -> list[list[torch.Tensor]] | None:
     """Run the rotation over ``lanes`` (all of the same length ``G``).
 
@@ -143,6 +151,8 @@ def rotate(
     With ``accumulate``, ``compute`` returns, per lane, fresh gradient tensors for the
     rows it was given, and the accumulated gradients of this position's own (step-0)
     payloads are returned, per lane; without, ``compute`` returns None and so does this.
+    ``received_rows(step)``: per lane, the row runs of the accumulator received at ``step``
+    that hold gradients (None: all of them); only those are added in.
     """
     steps = len(lanes[0].order)
     assert all(len(lane.order) == steps for lane in lanes)
@@ -170,7 +180,7 @@ def rotate(
             contrib = contribs.tensors
             if acc_pending is not None:
                 acc_pending.wait()
-                _add_received(contrib, acc_in)
+                _add_received(contrib, acc_in, received_rows(step) if received_rows is not None else None)
                 acc_in = home = None  # added in: free it before the next buffer is made
             if steps > 1:
                 acc_in = [[torch.empty_like(c) for c in lane_c] for lane_c in contrib]

@@ -63,3 +63,21 @@ def test_cuda_adapters_move_no_more_than_the_reference_path(heads, kv_heads):
         # zero-filled rows: a side only partly unwritten is still zeroed first (0.14 GB at 128K,
         # 1.25x the reference path's fills at 8K); the rise was 4.5x
         assert got.by_op_bytes["aten.zero_"] <= 1.5 * ref.by_op_bytes["aten.zero_"], kernel
+
+
+def test_rotation_q_sends_the_step0_rows_it_wrote_and_adds_only_those(monkeypatch):
+    """Note [step-0 rows] (backward.py): at P8 C2, causal, rotation q, a member's early zigzag half
+    (chunk = T / 16 rows of its 2 chunks) is reached by no step-0 call. Those rows were zeroed
+    (float32: 4 + 4 bytes an element as counted) and added in at step 1 (4 + 4 + 4), in each of
+    the C passes; now neither. With the runs' limit at 0 the old schedule comes back."""
+    from megatron_startrail import backward  # noqa: PLC0415
+
+    case = Case("q", 8, 2, TOKENS, rotation="q")
+    count(case)  # the micro-batch's call metadata learned (Note [device metadata]): both counts alike
+    now = count(case)
+    monkeypatch.setattr(backward, "_STEP0_MAX_RUNS", 0)
+    before = count(case)
+    rows, team = TOKENS // 16, 2
+    per_row = case.heads * case.head_dim * (8 + 12)  # zero_ and add_ of float32 dQ
+    assert before.bytes - now.bytes == team * rows * per_row
+    assert before.launch - now.launch == team  # the zero fills
