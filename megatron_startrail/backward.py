@@ -174,13 +174,13 @@ def _reduce_reverse_pieces(comm, groups, reverse: ReverseInitialSend) -> torch.T
 _STEP0_MAX_RUNS = 4
 
 
-def _step0_rows(groups, docs, q_rot: LaneSplit, lane_index: int, origin: int, bounds, *, causal, window,
+def _step0_rows(q_rot: LaneSplit, lane_index: int, origin: int, kv_segments, bounds, *, causal, window,
                 max_rows) -> tuple[tuple[int, int], ...] | None:
     """The rows of lane ``lane_index``'s part of ``origin``'s payload that ``origin``'s step-0
-    calls write (host runs; the same on every position), or None when they are more than
-    :data:`_STEP0_MAX_RUNS` runs (Note [step-0 rows])."""
+    calls write against its K, V pieces (``kv_segments``, cut at ``bounds``): host runs, the same
+    on every position; None when they are more than :data:`_STEP0_MAX_RUNS` runs (Note [step-0
+    rows])."""
     q_segments = q_rot.part_segments(origin, lane_index)
-    kv_segments = team_segments(groups, docs, groups.topology.kv_team_at_step(origin, 0))
     runs = coalesce([r for a, b in bounds
                      for call in plan_calls(q_segments, segment_rows(kv_segments, a, b), causal, window, max_rows)
                      for r in call.q_rows])
@@ -223,6 +223,10 @@ def backward_q(ctx, dout, saved: list):
     kv_segments = team_segments(groups, docs, topo.kv_team_at_step(pos, 0))
     reducer = _ReverseReduce(comm, groups, ReverseInitialSend(comm, topo, pos, None, kv_init.bounds))
     lanes = sub_ring_lanes(topo, pos, ctx.transfer)
+    # Note [step-0 rows]: the K, V rows each lane's previous position attends at step 0 (this
+    # position's own are kv_segments); the same for every pass
+    prev_kv_segments = {} if len(lanes[0].order) == 1 else {
+        lane.prev(pos): team_segments(groups, docs, topo.kv_team_at_step(lane.prev(pos), 0)) for lane in lanes}
     dkv: dict[int, torch.Tensor] = {}  # piece j's dK, dV [n, b, hkv, dqk + dv], until it is sent back
     fresh_kv: dict[int, blocks.FreshRows] = {}  # their rows no call has written yet (Note [fresh rows])
 
@@ -252,9 +256,9 @@ def backward_q(ctx, dout, saved: list):
             # the one that arrives at step 1 (None: all rows, zeros included)
             sent, arriving = [None] * len(q_rot.lanes), None
             if len(q_rot.lanes[0].order) > 1:
-                plan = dict(causal=ctx.causal, window=ctx.window, max_rows=n)
-                sent = [_step0_rows(groups, docs, q_rot, k, pos, kv_init.bounds, **plan) for k in range(len(sent))]
-                arriving = [_step0_rows(groups, docs, q_rot, k, lane.prev(pos), kv_init.bounds, **plan)
+                plan = dict(bounds=kv_init.bounds, causal=ctx.causal, window=ctx.window, max_rows=n)
+                sent = [_step0_rows(q_rot, k, pos, kv_segments, **plan) for k in range(len(sent))]
+                arriving = [_step0_rows(q_rot, k, lane.prev(pos), prev_kv_segments[lane.prev(pos)], **plan)
                             for k, lane in enumerate(q_rot.lanes)]
 
             def step_q(step, payloads, _rows, q_rot=q_rot, pieces=pieces, final=final, sent=sent):
