@@ -81,3 +81,18 @@ def test_rotation_q_sends_the_step0_rows_it_wrote_and_adds_only_those(monkeypatc
     per_row = case.heads * case.head_dim * (8 + 12)  # zero_ and add_ of float32 dQ
     assert before.bytes - now.bytes == team * rows * per_row
     assert before.launch - now.launch == team  # the zero fills
+
+
+@pytest.mark.parametrize("kernel", ["reference", "torch_cuda_flash"])
+def test_bytes_by_site_add_up_to_the_counted_bytes(kernel):
+    """``layer_traffic --sites``: every byte the counter charges is charged to one issuing line,
+    and a packed layer's gathers are charged to the schedule's row gather (blocks._rows)."""
+    case = Case("packed", 8, 2, TOKENS, docs="document", kernel=kernel)
+    count(case)  # the first count also learns the micro-batch's metadata (more launches): warmed up first
+    plain, traced = count(case), count(case, sites=True)
+    assert traced.bytes == plain.bytes and traced.launch == plain.launch  # tracing changes nothing counted
+    assert not plain.by_site_bytes
+    assert sum(traced.by_site_bytes.values()) == traced.bytes + traced.adapter_bytes > 0
+    assert "outside the package" not in " ".join(traced.by_site_bytes)
+    gathers = [site for site in traced.by_site_bytes if site.startswith("index_select blocks.py:")]
+    assert any(site.endswith("(_rows)") for site in gathers), sorted(traced.by_site_bytes)

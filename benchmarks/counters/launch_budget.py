@@ -27,6 +27,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 from collections import Counter
 
 import torch
@@ -74,6 +75,10 @@ class Counts:
     adapter_touched: int = 0
     by_op_bytes: Counter = dataclasses.field(default_factory=Counter)
     in_adapter: bool = False
+    # With ``sites`` set: the same bytes (schedule and adapter) by ``op file:line (function)``,
+    # the innermost frame of the package that issued the op (where a change would cut them).
+    sites: bool = False
+    by_site_bytes: Counter = dataclasses.field(default_factory=Counter)
 
 
 def _tensor_bytes(tree) -> int:
@@ -142,7 +147,20 @@ class _OpCounter(TorchDispatchMode):
                 counts.bytes += moved
                 counts.touched += touched
                 counts.by_op_bytes[f"{namespace}.{name}"] += moved
+            if counts.sites:
+                counts.by_site_bytes[f"{name} {_issuing_site()}"] += moved
         return result
+
+
+def _issuing_site() -> str:
+    """``file:line (function)`` of the innermost frame in ``megatron_startrail`` on the stack."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if f"{os.sep}megatron_startrail{os.sep}" in path:
+            return f"{os.path.basename(path)}:{frame.f_lineno} ({frame.f_code.co_name})"
+        frame = frame.f_back
+    return "outside the package"
 
 
 @contextlib.contextmanager
@@ -260,9 +278,10 @@ def _inputs(case: Case, s_local: int):
     return q, k, v, dout
 
 
-def count_startrail(case: Case) -> Counts:
-    """One rank's ops for one layer's forward + backward (meta tensors, fake process group)."""
-    counts = Counts()
+def count_startrail(case: Case, sites: bool = False) -> Counts:
+    """One rank's ops for one layer's forward + backward (meta tensors, fake process group);
+    ``sites``: their bytes by issuing line too (``Counts.by_site_bytes``)."""
+    counts = Counts(sites=sites)
     with fake_rank(case.rank, case.world):
         groups = new_startrail_groups(team_size=case.team, backward_rotation=case.rotation,
                                       regather_in_backward=case.regather, kernel="reference")
@@ -423,8 +442,9 @@ def count_yardstick(case: Case) -> Counts:
     return counts
 
 
-def count(case: Case) -> Counts:
-    return count_yardstick(case) if case.team == 0 else count_startrail(case)
+def count(case: Case, sites: bool = False) -> Counts:
+    """:func:`count_startrail`, or :func:`count_yardstick` for team size 0."""
+    return count_yardstick(case) if case.team == 0 else count_startrail(case, sites)
 
 
 def production_cases(tokens: int = 131072) -> list[Case]:
@@ -489,6 +509,8 @@ def table_args(doc: str) -> argparse.Namespace:
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--before", help="rows of an earlier run (its --json) to show beside these")
     parser.add_argument("--only", help="run the cases whose name contains this")
+    parser.add_argument("--sites", type=int, default=0, metavar="N",
+                        help="layer_traffic: each case's N issuing lines that move the most bytes, after the table")
     return parser.parse_args()
 
 

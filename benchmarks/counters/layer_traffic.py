@@ -17,6 +17,10 @@ each launch adds its own few microseconds).
 
     .venv/bin/python -m benchmarks.counters.layer_traffic --json benchmarks/results/layer_traffic.json
     .venv/bin/python -m benchmarks.counters.layer_traffic --before benchmarks/results/layer_traffic_before.json
+    .venv/bin/python -m benchmarks.counters.layer_traffic --only "P8 C2 MHA 16x128 packed" --sites 12
+
+``--sites N`` prints, under the table, each case's N source lines of the package whose ops move
+the most bytes (where a change would cut them).
 """
 
 from __future__ import annotations
@@ -43,13 +47,16 @@ def cases(tokens: int = 131072) -> list[tuple[str, Case]]:
     return [(name, case) for name, _, case in out]
 
 
-def row(name: str, case: Case) -> dict:
-    c = count(case)
+def row(name: str, case: Case, sites: int = 0) -> dict:
+    """The table's row of ``case``; ``sites`` > 0: its ``sites`` issuing lines that move the most
+    bytes too (``top_sites``, bytes by ``op file:line (function)``)."""
+    c = count(case, sites=sites > 0)
     return {"case": name, "world": case.world, "team": case.team, "heads": case.heads, "kv_heads": case.kv_heads,
             "kernel": case.kernel, "launch": c.launch, "kernel_calls": c.kernel, "comm": c.comm,
             "schedule_bytes": c.bytes, "adapter_launch": c.adapter_launch, "adapter_bytes": c.adapter_bytes,
             "kernel_io_bytes": c.kernel_bytes, "touched_bytes": c.touched + c.adapter_touched,
-            "top_bytes": {k: v for k, v in c.by_op_bytes.most_common(8)}}
+            "top_bytes": {k: v for k, v in c.by_op_bytes.most_common(8)},
+            **({"top_sites": dict(c.by_site_bytes.most_common(sites))} if sites > 0 else {})}
 
 
 def _total(r: dict) -> float:
@@ -95,9 +102,13 @@ def table(rows: list[dict], before: list[dict] | None) -> list[str]:
 
 def main() -> None:
     args = table_args(__doc__)
-    rows = [row(name, case) for name, case in cases(args.tokens) if not args.only or args.only in name]
+    rows = [row(name, case, args.sites) for name, case in cases(args.tokens) if not args.only or args.only in name]
     before = read_rows(args.before)
     print("\n".join(table(rows, before)))
+    for r in rows if args.sites else ():
+        print(f"\n{r['case']}: the {args.sites} lines that move the most bytes (GB)")
+        for site, moved in r["top_sites"].items():
+            print(f"  {moved / 1e9:7.3f}  {site}")
     write_rows(args.json, rows)
 
 
