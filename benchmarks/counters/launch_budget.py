@@ -153,11 +153,14 @@ class _OpCounter(TorchDispatchMode):
 
 
 def _issuing_site() -> str:
-    """``file:line (function)`` of the innermost frame in ``megatron_startrail`` on the stack."""
+    """``file:line (function)`` of the innermost frame in ``megatron_startrail`` on the stack, past
+    the package's own torch modes (``CudaToCpuMode``, installed by tests with Megatron: the line
+    that issued the op is the frame below them)."""
     frame = sys._getframe(1)
     while frame is not None:
         path = frame.f_code.co_filename
-        if f"{os.sep}megatron_startrail{os.sep}" in path:
+        if (f"{os.sep}megatron_startrail{os.sep}" in path
+                and frame.f_code.co_name not in ("__torch_function__", "__torch_dispatch__")):
             return f"{os.path.basename(path)}:{frame.f_lineno} ({frame.f_code.co_name})"
         frame = frame.f_back
     return "outside the package"
