@@ -9,8 +9,9 @@ window length do not.
 """
 
 import pytest
+import torch
 
-from benchmarks.counters.launch_budget import Case, count
+from benchmarks.counters.launch_budget import Case, Counts, _OpCounter, count
 
 TOKENS = 16384
 
@@ -96,3 +97,20 @@ def test_bytes_by_site_add_up_to_the_counted_bytes(kernel):
     assert "outside the package" not in " ".join(traced.by_site_bytes)
     gathers = [site for site in traced.by_site_bytes if site.startswith("index_select blocks.py:")]
     assert any(site.endswith("(_rows)") for site in gathers), sorted(traced.by_site_bytes)
+
+
+def test_index_ops_are_charged_at_the_rows_they_visit():
+    """The ``schedule GB`` rule (launch_budget._moved_bytes): an index op reads and writes the rows
+    its index names, not the whole tensor it indexes into; every other op, each argument at its
+    view's size, read, and the result written. Checked on what the counter sees dispatched."""
+    acc, rows = torch.randn(1000, 3, 4), torch.randn(8, 3, 4)
+    index, row_bytes = torch.randperm(1000)[:8], 3 * 4 * 4
+    for op, expected in ((lambda: acc.index_select(0, index), 2 * 8 * row_bytes),
+                         (lambda: acc.index_add_(0, index, rows), 3 * 8 * row_bytes),
+                         (lambda: acc.index_copy_(0, index, rows), 3 * 8 * row_bytes),
+                         (lambda: acc[:8].add_(rows), 3 * 8 * row_bytes)):
+        counts = Counts()
+        with _OpCounter(counts):
+            op()
+        index_bytes = 0 if "aten.add_" in counts.by_op else index.numel() * index.element_size()
+        assert counts.launch == 1 and counts.bytes == expected + index_bytes, (counts.by_op, counts.bytes)
