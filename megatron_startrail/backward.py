@@ -16,7 +16,7 @@ import torch
 
 from . import blocks
 from .comm import Communicator
-from .initial_send import PieceTransfer, ReverseInitialSend
+from .initial_send import PieceTransfer, ReverseInitialSend, reverse_overlaps
 from .layout import coalesce, plan_calls, segment_rows
 from .schedule import rotate
 from .team import gather_team_and_send, team_segments
@@ -229,18 +229,25 @@ def backward_q(ctx, dout, saved: list):
         lane.prev(pos): team_segments(groups, docs, topo.kv_team_at_step(lane.prev(pos), 0)) for lane in lanes}
     dkv: dict[int, torch.Tensor] = {}  # piece j's dK, dV [n, b, hkv, dqk + dv], until it is sent back
     fresh_kv: dict[int, blocks.FreshRows] = {}  # their rows no call has written yet (Note [fresh rows])
+    flies: tuple[bool, ...] = ()  # piece-major: per piece j, whether piece j-1's dK, dV fly back while j computes
 
-    def send_back(j: int) -> None:  # piece j's rows of dK, dV are final
+    def send_back(j: int) -> None:  # piece j's rows of dK, dV are final (flies: set by then)
         fresh_kv.pop(j).fill(lambda a, b: dkv[j][a:b].zero_())
         kv_init.release(j)
         if kept is not None:  # its storage goes now, though autograd holds the saved tensor to the end
             kept[j].untyped_storage().resize_(0)
         reducer.through(j - 1)  # the previous piece has had this one's compute to land
         reducer.reverse.send(j, dkv.pop(j))  # its landing made once the previous one is freed
+        if j + 1 < len(flies) and not flies[j + 1]:
+            reducer.through(j)  # landed and reduced before the next piece computes
 
     dq = None
     for pieces in ([[j] for j in range(c)] if piece_major else [list(range(c))]):
         first = kv_init.piece(pieces[0])  # [n, b, hkv, dqk + dv], landed before the round's passes
+        if piece_major and not flies:  # Note [reverse overlap]: from the pieces' bytes, the same on every member
+            flies = reverse_overlaps(c, first.numel() * first.element_size(),
+                                     first.numel() * torch.finfo(acc_dtype).bits // 8, regathered=ctx.regather,
+                                     overlap=groups.config.reverse_overlap)
         dkv.update((j, first.new_empty(first.shape, dtype=acc_dtype)) for j in pieces)
         fresh_kv.update((j, blocks.FreshRows(first.shape[0])) for j in pieces)
         del first

@@ -36,6 +36,9 @@ class StarTrailConfig:
     # included) instead of taking the output and graph kept from the first forward
     # (Note [attention kept through recomputation]) [--startrail-recompute-attention]
     recompute_attention: bool = False
+    # Piece-major rotation "q": each piece's dK, dV fly back while the next piece computes; False:
+    # only where that raises no peak (Note [reverse overlap] in initial_send.py) [--startrail-no-reverse-overlap]
+    reverse_overlap: bool = True
 
     def __post_init__(self) -> None:
         for name, flag in (("team_size", "--startrail-team-size"), ("ulysses_size", "--ulysses-degree-in-cp")):
@@ -48,6 +51,7 @@ class StarTrailConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} ({flag}) is not one of {allowed}")
         for name, flag in (("regather_in_backward", "--startrail-regather-in-backward"),
+                           ("reverse_overlap", "--startrail-no-reverse-overlap"),
                            ("deterministic", "--deterministic-mode"),
                            ("recompute_attention", "--startrail-recompute-attention")):
             if not isinstance(getattr(self, name), bool):

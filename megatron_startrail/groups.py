@@ -244,6 +244,7 @@ def new_startrail_groups(
     kernel: str = "auto",
     transfer: str = "ring",
     regather_in_backward: bool = False,
+    reverse_overlap: bool = True,
     config: StarTrailConfig | None = None,
     timeout: datetime.timedelta | None = None,
     create_group: Callable = torch_new_group,
@@ -255,7 +256,7 @@ def new_startrail_groups(
 
     The settings are one :class:`~megatron_startrail.config.StarTrailConfig`: ``config``, or
     built from ``team_size``, ``ulysses_size``, ``backward_rotation``, ``kernel``,
-    ``transfer`` and ``regather_in_backward`` (not both). It travels with the groups
+    ``transfer``, ``regather_in_backward`` and ``reverse_overlap`` (not both). It travels with the groups
     (``StarTrailGroups.config``) to every attention call made with them.
 
     ``cp_ranks`` lists every CP group's global ranks (each rank in exactly one); ``None``
@@ -287,7 +288,8 @@ def new_startrail_groups(
     if config is None:
         if team_size is None:
             raise ValueError("new_startrail_groups needs team_size (or a StarTrailConfig as config=)")
-        config = StarTrailConfig(team_size, ulysses_size, backward_rotation, transfer, regather_in_backward, kernel)
+        config = StarTrailConfig(team_size, ulysses_size, backward_rotation, transfer, regather_in_backward,
+                                 reverse_overlap=reverse_overlap, kernel=kernel)
     elif team_size is not None and team_size != config.team_size or ulysses_size not in (1, config.ulysses_size):
         raise ValueError(f"pass the settings either as config={config} or as keywords, not both")
     team_size, ulysses_size = config.team_size, config.ulysses_size

@@ -88,6 +88,42 @@ def post_initial_send(comm: Communicator, topo: StarTrailTopology, pos: int, kv_
     return PieceTransfer(bounds, post_piece, ahead=c, tensor=kv_init)  # all C posted at once
 
 
+# Note [reverse overlap]
+# ----------------------
+# The piece-major backward (Note [piece-major rotation q] in backward.py) sends piece j's dK, dV
+# back as soon as its C passes are done and reduces the landing in the team once piece j+1 has
+# computed: the transfer hides behind piece j+1's compute. For that time it holds, beside piece
+# j+1's own dK, dV, piece j's (the send buffer) and what lands of it: two accumulator pieces. What
+# the pieces of K, V free meanwhile (a kept piece, freed when its dK, dV go back) pays for them
+# only late: in float32, piece 1 is the backward's peak at C = 4 (CPU heap harness, P16 C4: 21.1
+# shares of a rank's q, ring attention 17.0); in bf16 (accumulators twice a piece of K, V) every
+# piece j < 4 is over piece 0's. Without the overlap (reverse_overlap=False,
+# --startrail-no-reverse-overlap) piece j's transfer is waited for, and its landing reduced, before
+# piece j+1 computes, except where holding them raises no peak: the K, V pieces and
+# accumulators live while piece j+1 computes with the transfer in flight are at most piece 0's
+# (every kept piece of K, V and piece 0's dK, dV). The rule sees the team's shapes only, so every
+# member makes the same choice (the reduce is a team collective): a member whose initial send
+# maps it to itself holds one buffer less, and its own rows' dK, dV (kept to the end) are left
+# out. The planner prices what the overlap hides (planner._with_pieces).
+
+
+def reverse_overlaps(c: int, kv_piece_bytes: int, acc_piece_bytes: int, *, regathered: bool,
+                     overlap: bool = True) -> tuple[bool, ...]:
+    """Entry ``j``: whether piece ``j-1``'s dK, dV are still flying back (and landing) while
+    piece ``j`` computes (Note [reverse overlap]); entry 0 is False. ``kv_piece_bytes``: one
+    piece of K | V; ``acc_piece_bytes``: its dK | dV accumulator; ``regathered``: the pieces of K,
+    V land in the backward (piece j, the next one and its send buffer), else the forward kept
+    all C, freed one by one."""
+    if overlap:
+        return (False,) + (True,) * (c - 1)
+
+    def held(j: int, flying: bool) -> int:
+        pieces = 1 + 2 * (j < c - 1) if regathered else c - j
+        return pieces * kv_piece_bytes + (1 + 2 * flying) * acc_piece_bytes
+
+    return tuple(j > 0 and held(j, True) <= held(0, False) for j in range(c))
+
+
 class ReverseInitialSend:
     """dK, dV ``dkv_init [C*n, b, hkv, dqk + dv]`` back along the reverse of the initial
     send, in the pieces of the forward (one team member's ``n`` rows each): :meth:`send`

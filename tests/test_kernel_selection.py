@@ -636,7 +636,7 @@ def test_deterministic_mode_reaches_the_kernels(monkeypatch):
     args = types.SimpleNamespace(startrail_team_size=1, ulysses_degree_in_cp=1, startrail_backward_rotation="auto",
                                  startrail_transfer="ring", startrail_regather_in_backward=False,
                                  startrail_kernel="auto", deterministic_mode=True,
-                                 startrail_recompute_attention=False)
+                                 startrail_recompute_attention=False, startrail_reverse_overlap=True)
     assert config_from_args(args).deterministic is True
     assert kernels.make_kernel("reference", deterministic=True).deterministic is True
     seen = []

@@ -15,6 +15,7 @@ import torch
 
 from megatron_startrail import new_startrail_groups, startrail_attn
 from megatron_startrail.accounting import AttentionShape, expected_comm
+from megatron_startrail.initial_send import reverse_overlaps
 from tests.attention_cases import TOLERANCE, local_rows, reference_with_grads, relative_error
 from tests.multiproc import run_ranks
 from tests.packed_cases import windowed_reference
@@ -83,7 +84,26 @@ def piece_major_worker(rank, world_size, team_size):
                 failures.append(f"packed {layout} regather={regather}: errors {errors}, {pad_nonzero} nonzero padding")
             checked += 1
     failures += kept_pieces_failures(groups, team_size)
-    return failures, checked
+    failures += no_reverse_overlap_failures(groups, rank, world_size, team_size)
+    return failures, checked + 2
+
+
+def no_reverse_overlap_failures(groups, rank, world_size, team_size) -> list[str]:
+    """reverse_overlap=False (Note [reverse overlap] in initial_send.py): each piece's dK, dV land
+    and are reduced before the next piece computes -- the same sums in the same order, so bitwise
+    the overlapped result, and the same bytes; with and without regathering."""
+    serial = new_startrail_groups(team_size=team_size, backward_rotation="q", reverse_overlap=False)
+    dqk, dv, kv_heads = HEAD_CASES[1]
+    full = mla_inputs(77 + team_size, 2 * world_size * CHUNK, kv_heads, dqk, dv)
+    shape = AttentionShape(2 * CHUNK, 1, HEADS, kv_heads, dqk, 4, v_head_dim=dv)
+    failures = []
+    for regather in (False, True):
+        want, _ = run(groups, rank, world_size, full, regather=regather, causal=True)
+        got, _ = run(serial, rank, world_size, full, regather=regather, causal=True)
+        if not all(torch.equal(a, b) for a, b in zip(got, want)):
+            failures.append(f"P={world_size} C={team_size} regather={regather}: no reverse overlap changed the result")
+        failures += comm_failures(serial, world_size, shape, regather, f"no reverse overlap, regather={regather}")
+    return failures
 
 
 def kept_pieces_failures(groups, team_size) -> list[str]:
@@ -116,4 +136,20 @@ def test_piece_major_rotation_q_matches_float64_and_closed_form_comm(world_size,
     results = run_ranks(piece_major_worker, world_size, args=(team_size,), timeout=600)
     failures = sorted({f for fails, _ in results for f in fails})
     assert not failures, "\n".join(failures[:40])
-    assert all(n == 2 * (len(HEAD_CASES) + 1) + 4 for _, n in results)
+    assert all(n == 2 * (len(HEAD_CASES) + 1) + 6 for _, n in results)
+
+
+def test_reverse_overlap_keeps_a_piece_flying_only_where_the_freed_pieces_pay_for_it():
+    """Note [reverse overlap]: entry j says whether piece j-1's dK, dV fly back while piece j
+    computes. By default every piece after the first; without the overlap only where the K, V
+    pieces and accumulators then live are at most piece 0's (every kept piece, one accumulator)."""
+    kv = 1000  # bytes of a piece of K | V; its accumulator is as large (float32) or twice (bf16)
+    assert reverse_overlaps(4, kv, kv, regathered=False) == (False, True, True, True)
+    assert reverse_overlaps(4, kv, kv, regathered=False, overlap=False) == (False, False, True, True)
+    assert reverse_overlaps(4, kv, 2 * kv, regathered=False, overlap=False) == (False,) * 4
+    assert reverse_overlaps(8, kv, 2 * kv, regathered=False, overlap=False) == (False,) * 4 + (True,) * 4
+    # Regathering lands piece j and the next one (and its send buffer): the K, V held do not
+    # shrink until the last piece.
+    assert reverse_overlaps(4, kv, kv, regathered=True, overlap=False) == (False, False, False, True)
+    assert reverse_overlaps(4, kv, 2 * kv, regathered=True, overlap=False) == (False,) * 4
+    assert reverse_overlaps(1, kv, kv, regathered=False, overlap=False) == (False,)

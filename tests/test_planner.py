@@ -278,3 +278,16 @@ def test_memory_limit_leaves_out_configurations_or_makes_them_regather():
         choose_plan(cp_size=16, ulysses_size=1, gpus_per_node=8, seq_length=8192, num_heads=4, num_kv_heads=4,
                     head_dim=32, micro_batch_size=1, dtype_bytes=4, cluster=cluster, layers=8,
                     memory_limit_bytes=least - 1)
+
+
+def test_the_reverse_overlap_is_priced_where_it_runs():
+    """Note [reverse overlap]: without it, on sub-rings of one position (P16 C4), rotation q's
+    reverse sends stop hiding behind the next piece's compute (bf16: none of the three does) and
+    its peak falls; elsewhere (P8 C2: sub-rings of two) nothing changes."""
+    work = Workload(131072, 32, 32, 128)
+    for cp, team, changes in ((16, 4, True), (8, 2, False)):
+        cluster = preset("h100-nvlink-8x400ib", cp // 8)
+        overlapped, serial = (predict(cluster, work, cp, team, rotation="q", reverse_overlap=o) for o in (True, False))
+        assert (serial.time_s > overlapped.time_s and serial.peak_bytes < overlapped.peak_bytes) == changes
+        assert changes or (serial.time_s, serial.peak_bytes) == (overlapped.time_s, overlapped.peak_bytes)
+        assert serial.name.endswith("-no-reverse-overlap") and not serial.reverse_overlap

@@ -37,7 +37,8 @@ HEADS, KV_HEADS, DIM = 32, 8, 128
 
 
 def measure(world: int, team: int, tokens: int, *, rotation: str = "auto", regather: bool = False,
-            window: int | None = None, sinks: bool = False, rank: int = 1, explain: bool = False) -> dict:
+            window: int | None = None, sinks: bool = False, rank: int = 1, explain: bool = False,
+            reverse_overlap: bool = True) -> dict:
     """Rank ``rank`` of ``world``'s measured and modelled bytes (inside a fake-CUDA process)."""
     from megatron_startrail import new_startrail_groups, startrail_attn  # noqa: PLC0415
     from tests.fake_cuda.rank import fake_cuda_rank  # noqa: PLC0415
@@ -45,7 +46,7 @@ def measure(world: int, team: int, tokens: int, *, rotation: str = "auto", regat
     local = tokens // world
     with fake_cuda_rank(rank, world):
         groups = new_startrail_groups(team_size=team, backward_rotation=rotation, regather_in_backward=regather,
-                                      eager_init=False)
+                                      reverse_overlap=reverse_overlap, eager_init=False)
         # The caller's tensors: q [local, 1, 32, 128], k, v [local, 1, 8, 128] bf16, dO like q;
         # the sink logits [32] float32.
         q, k, v = (torch.randn(local, 1, h, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -74,7 +75,8 @@ def measure(world: int, team: int, tokens: int, *, rotation: str = "auto", regat
         finally:
             gc.enable()
     row = {"world": world, "team": team, "tokens": tokens, "rank": rank, "rotation": rotation,
-           "regather": regather, "window": window, "sinks": sinks, "kept": tracker.kept,
+           "regather": regather, "reverse_overlap": reverse_overlap, "window": window, "sinks": sinks,
+           "kept": tracker.kept,
            "forward_peak": tracker.peaks["forward"], "backward_peak": tracker.peaks["backward"]}
     row["peak"] = max(row["forward_peak"], row["backward_peak"])
     if explain:
@@ -83,15 +85,17 @@ def measure(world: int, team: int, tokens: int, *, rotation: str = "auto", regat
     row["auto_rotation"] = choose_backward_rotation(shape, 1, team)
     if window is None and not sinks:  # the model has no term for windows or sinks
         model = layer_memory_bytes(shape, cp_size=world, team_size=team, startrail_rank=rank, rotation=rotation,
-                                   regather_in_backward=regather)
+                                   regather_in_backward=regather, reverse_overlap=reverse_overlap)
         row["model"] = model
     return row
 
 
 def configurations(tokens_list: list[int], worlds: list[int], teams=(1, 2, 4), extras: bool = True) -> list[dict]:
     """Every (P, C) with C*C dividing P, both rotations, regathering (C > 1; ring attention
-    always regathers), and at the default rotation: sinks, a 4096-token window (the halo
-    exchange) and one of half the sequence (beyond the halo's reach: the schedule)."""
+    always regathers), rotation "q" without the reverse sends' overlap where sub-rings have one
+    position (P = C*C: Note [reverse overlap] in initial_send.py), and at the default rotation:
+    sinks, a 4096-token window (the halo exchange) and one of half the sequence (beyond the
+    halo's reach: the schedule)."""
     rows = []
     for tokens in tokens_list:
         for world in worlds:
@@ -99,6 +103,9 @@ def configurations(tokens_list: list[int], worlds: list[int], teams=(1, 2, 4), e
                 for rotation in ("q", "kv"):
                     for regather in (False, True) if team > 1 else (False,):
                         rows.append(dict(world=world, team=team, tokens=tokens, rotation=rotation, regather=regather))
+                for regather in (False, True) if team > 1 and world == team * team else ():
+                    rows.append(dict(world=world, team=team, tokens=tokens, rotation="q", regather=regather,
+                                     reverse_overlap=False))
                 if not extras:
                     continue
                 rows.append(dict(world=world, team=team, tokens=tokens, sinks=True))
@@ -110,7 +117,8 @@ def configurations(tokens_list: list[int], worlds: list[int], teams=(1, 2, 4), e
 def name(row: dict) -> str:
     rotation = row["auto_rotation"] + " (auto)" if row["rotation"] == "auto" else row["rotation"]
     parts = ["ring" if row["team"] == 1 else f"C={row['team']}", f"rotation {rotation}"]
-    parts += ["regather"] * row["regather"] + ["sinks"] * row["sinks"]
+    parts += ["regather"] * row["regather"] + ["no reverse overlap"] * (not row.get("reverse_overlap", True))
+    parts += ["sinks"] * row["sinks"]
     parts += [f"window {row['window']}"] if row["window"] else []
     return ", ".join(parts)
 

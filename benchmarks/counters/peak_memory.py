@@ -46,14 +46,14 @@ MiB = 2**20
 
 def peak_worker(rank, world_size, configs, seq, heads, dim):
     """Every configuration's (peak live, kept for backward) bytes on this rank; a
-    configuration is ``(team size, regather, backward rotation)``."""
+    configuration is ``(team size, regather, backward rotation, reverse overlap)``."""
     torch.set_num_threads(1)
     n = seq // world_size
     gen = torch.Generator().manual_seed(rank)
     q0, k0, v0, dout = (torch.randn(n, 1, heads, dim, generator=gen) for _ in range(4))
     results = []
-    for team_size, regather, rotation in configs:
-        groups = new_startrail_groups(team_size=team_size, backward_rotation=rotation)
+    for team_size, regather, rotation, overlap in configs:
+        groups = new_startrail_groups(team_size=team_size, backward_rotation=rotation, reverse_overlap=overlap)
 
         def step():
             q, k, v = (t.clone().requires_grad_(True) for t in (q0, k0, v0))
@@ -74,9 +74,9 @@ def peak_worker(rank, world_size, configs, seq, heads, dim):
     return results
 
 
-def name(team_size: int, regather: bool, rotation: str) -> str:
+def name(team_size: int, regather: bool, rotation: str, overlap: bool = True) -> str:
     core = "ring" if team_size == 1 else f"startrail-{team_size}" + ("-regather" if regather else "")
-    return core if rotation == "auto" else f"{core} (rotation {rotation})"
+    return core if rotation == "auto" else f"{core} (rotation {rotation}{'' if overlap else ', no reverse overlap'})"
 
 
 def run(world_sizes: list[int], team_sizes: list[int], seq: int, heads: int, dim: int, timeout: float,
@@ -100,15 +100,18 @@ def _run_once(world_sizes, team_sizes, seq, heads, dim, timeout, rotations) -> l
     for world, c in zip(world_sizes, team_sizes):
         # "auto" takes the backward rotation that moves fewer bytes ("kv" for this float32 MHA
         # workload, by the lse); "q" streams the team's query side member by member.
-        configs = [(1, False, "auto")] + [(c, regather, r) for r in rotations for regather in (False, True)]
+        configs = [(1, False, "auto", True)] + [(c, regather, r, True) for r in rotations for regather in (False, True)]
+        if "q" in rotations and world == c * c:  # Note [reverse overlap]: on sub-rings of one position
+            configs += [(c, regather, "q", False) for regather in (False, True)]
         per_rank = run_ranks(peak_worker, world, args=(configs, seq, heads, dim), timeout=timeout)
         shape = AttentionShape(seq // world, 1, heads, heads, dim, 4)
-        for index, (team, regather, rotation) in enumerate(configs):
+        for index, (team, regather, rotation, overlap) in enumerate(configs):
             model = layer_memory_bytes(shape, cp_size=world, team_size=team, regather_in_backward=regather,
-                                       rotation=rotation, kernel="torch_cpu_flash")  # its workspace: not modelled
+                                       rotation=rotation, kernel="torch_cpu_flash",  # its workspace: not modelled
+                                       reverse_overlap=overlap)
             rows.append({
-                "world_size": world, "config": name(team, regather, rotation), "team_size": team,
-                "regather": regather, "rotation": rotation,
+                "world_size": world, "config": name(team, regather, rotation, overlap), "team_size": team,
+                "regather": regather, "rotation": rotation, "reverse_overlap": overlap,
                 "peak_live_bytes": max(r[index][0] for r in per_rank),
                 "kept_bytes": max(r[index][1] for r in per_rank),
                 "model_peak_bytes": model["peak"],

@@ -103,7 +103,7 @@ def startrail_layer_spec(*, team_size: int, base=None, distributed_timeout_minut
     ``team_size``: StarTrail's C (``C*C`` must divide CP / ``ulysses_size``; 1 is ring attention).
     ``options``: the other :class:`~megatron_startrail.config.StarTrailConfig` settings, by the
     same names (``ulysses_size``, ``backward_rotation``, ``transfer``, ``regather_in_backward``,
-    ``kernel``, ``recompute_attention``). ``base``: the spec to wrap (a ``ModuleSpec`` or a
+    ``kernel``, ``recompute_attention``, ``reverse_overlap``). ``base``: the spec to wrap (a ``ModuleSpec`` or a
     function of the provider, e.g. Bridge's ``local_layer_spec``; default: Bridge's
     ``default_layer_spec``, the Transformer Engine one). ``distributed_timeout_minutes`` and
     ``nccl_communicator_config_path``: give Bridge's ``dist`` values so that StarTrail's groups

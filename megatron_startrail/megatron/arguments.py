@@ -22,7 +22,7 @@ import os
 
 from ..config import BACKWARD_ROTATIONS
 from ..kernels.selection import KERNELS
-from ..topology import team_size_for, valid_team_sizes
+from ..topology import StarTrailTopology, team_size_for, valid_team_sizes
 from ..transfer import TRANSFERS
 from .attention_options import check_attention_options
 from .recompute_checks import check_mtp_recompute, check_recompute_modules
@@ -83,6 +83,14 @@ def add_startrail_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         help="Keep only what ring attention keeps for the backward (this rank's q, k, v, out, lse) "
         "and redo the team all-gather and the initial send in the backward: ring attention's "
         "activation memory for one more team all-gather (inside a node) and initial send per layer.",
+    )
+    group.add_argument(
+        "--startrail-no-reverse-overlap", action="store_false", dest="startrail_reverse_overlap",
+        help="Rotation q on sub-rings of one position (CP / U = C*C): send each piece's dK, dV back and "
+        "reduce them in the team before the next piece computes, except where the pieces freed by then "
+        "make room: a lower backward peak (one piece of K, V's dK, dV and their landing less), the reverse "
+        "sends no longer hidden behind the compute. Default: overlapped; --startrail-memory-limit-gb "
+        "turns the overlap off where only that fits.",
     )
     group.add_argument(
         "--startrail-recompute-attention", action="store_true",
@@ -431,6 +439,8 @@ def _auto_plan(args, heads: int, kv_heads: int) -> None:
         best.regather_in_backward
     if best.rotation != "auto":  # the streamed rotation "q" is what made it fit
         args.startrail_backward_rotation = best.rotation
+    if not best.reverse_overlap:  # and, on sub-rings of one position, its reverse sends one piece at a time
+        args.startrail_reverse_overlap = False
 
 
 def _fit_memory_limit(args, heads: int, kv_heads: int) -> None:
@@ -447,28 +457,34 @@ def _fit_memory_limit(args, heads: int, kv_heads: int) -> None:
             args.context_parallel_size // args.ulysses_degree_in_cp):
         return  # the team-size check below names the problem
 
-    def peak(regather: bool, rotation: str) -> int:
+    def peak(regather: bool, rotation: str, overlap: bool = True) -> int:
         return activation_peak_bytes(shape, layers=inputs["layers"], cp_size=args.context_parallel_size,
                                      team_size=c, ulysses_size=args.ulysses_degree_in_cp,
-                                     regather_in_backward=regather, rotation=rotation)
+                                     regather_in_backward=regather, rotation=rotation, reverse_overlap=overlap)
 
-    # As given; else the streamed rotation "q" (if the rotation was left to auto); else
-    # regathering; else both.
+    # As given; else the streamed rotation "q" (if the rotation was left to auto); else, on
+    # sub-rings of one position, that without its reverse sends' overlap; else regathering; else those together.
     given = getattr(args, "startrail_backward_rotation", "auto")
     rotations = ("auto", "q") if given == "auto" else (given,)
+    given_overlap = getattr(args, "startrail_reverse_overlap", True)
+    one_position = StarTrailTopology(args.context_parallel_size // args.ulysses_degree_in_cp, c).one_position_sub_rings
+    options = [(r, given_overlap) for r in rotations] + (
+        [("q", False)] if given_overlap and c > 1 and one_position and "q" in rotations else [])
     regathers = (True,) if args.startrail_regather_in_backward else (False, True)
     for regather in regathers:
-        for rotation in rotations:
-            if peak(regather, rotation) <= limit:
+        for rotation, overlap in options:
+            if peak(regather, rotation, overlap) <= limit:
                 args.startrail_regather_in_backward = regather
                 if rotation != "auto":
                     args.startrail_backward_rotation = rotation
+                args.startrail_reverse_overlap = overlap
                 return
-    least = min(peak(True, r) for r in rotations)
+    least = min(peak(True, r, o) for r, o in options)
     raise ValueError(
         f"--startrail-team-size {c} peaks at {least / 1e9:.3g} GB per rank in the attention of "
         f"{inputs['layers']} layers even with --startrail-regather-in-backward"
-        f"{' and --startrail-backward-rotation q' if 'q' in rotations else ''}, over "
+        f"{' and --startrail-backward-rotation q' if 'q' in rotations else ''}"
+        f"{' and --startrail-no-reverse-overlap' if any(not o for _, o in options) else ''}, over "
         f"--startrail-memory-limit-gb {args.startrail_memory_limit_gb:g}: raise the limit or "
         "--context-parallel-size"
     )

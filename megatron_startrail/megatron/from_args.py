@@ -10,8 +10,8 @@ here, and neither caller can forget one (the patch once silently dropped
 ``--startrail-regather-in-backward`` because it listed the flags itself).
 
 Flags read (:func:`config_from_args`): ``--startrail-team-size``, ``--ulysses-degree-in-cp``,
-``--startrail-backward-rotation``, ``--startrail-transfer``, ``--startrail-regather-in-backward``
-and ``--startrail-kernel`` become one
+``--startrail-backward-rotation``, ``--startrail-transfer``, ``--startrail-regather-in-backward``,
+``--startrail-no-reverse-overlap`` and ``--startrail-kernel`` become one
 :class:`~megatron_startrail.config.StarTrailConfig`, which the StarTrail groups carry to the
 core attention; Megatron's rank order
 (``--use-tp-pp-dp-mapping``), ``--distributed-timeout-minutes`` and
@@ -81,7 +81,8 @@ def describe_groups(groups, how_built: str = "") -> str:
     config = groups.config
     return (f"{groups.describe()}{how_built}, transfer {config.transfer}, "
             f"regather in backward {'on' if config.regather_in_backward else 'off'}, backward rotation "
-            f"{config.backward_rotation}, kernel {config.kernel}, attention "
+            f"{config.backward_rotation}{'' if config.reverse_overlap else ' (reverse sends not overlapped)'}, "
+            f"kernel {config.kernel}, attention "
             f"{'recomputed' if config.recompute_attention else 'kept'} under recomputation")
 
 
@@ -93,6 +94,7 @@ def config_from_args(args) -> StarTrailConfig:
         regather_in_backward=bool(args.startrail_regather_in_backward), kernel=args.startrail_kernel,
         deterministic=bool(getattr(args, "deterministic_mode", False)),
         recompute_attention=bool(args.startrail_recompute_attention),
+        reverse_overlap=bool(args.startrail_reverse_overlap),
     )
 
 

@@ -84,6 +84,7 @@ from dataclasses import dataclass
 import torch
 
 from ..accounting import AttentionShape, choose_backward_rotation, kept_for_backward_bytes, startrail_rank_elements
+from ..initial_send import reverse_overlaps
 from ..kernels.selection import KernelRequest, choose_kernel
 from ..topology import StarTrailTopology
 from .workspace import KernelCallShape, backward_workspace_bytes, forward_workspace_bytes
@@ -117,6 +118,7 @@ class _Layer:
     kernel: str
     topo: StarTrailTopology
     pos: int
+    reverse_overlap: bool = True  # Note [reverse overlap] in initial_send.py
 
     @property
     def team_q(self) -> int:
@@ -149,7 +151,8 @@ class _Layer:
                                max(s.head_dim, s.v_dim), self.e, s.batch)
 
 
-def _layer(shape, cp_size, team_size, ulysses_size, startrail_rank, rotation, regather_in_backward, kernel) -> _Layer:
+def _layer(shape, cp_size, team_size, ulysses_size, startrail_rank, rotation, regather_in_backward, kernel,
+           reverse_overlap: bool = True) -> _Layer:
     u, c = ulysses_size, team_size
     topo = StarTrailTopology(cp_size // u, c)
     init = int(topo.init_send_dst(startrail_rank) != startrail_rank)
@@ -162,7 +165,7 @@ def _layer(shape, cp_size, team_size, ulysses_size, startrail_rank, rotation, re
     eq, ekv, eo, el = startrail_rank_elements(shape, u)
     return _Layer(shape, u, c, topo.sub_ring_size, shape.dtype_bytes, shape.acc_bytes, eq, ekv, eo, el, init,
                   topo.member_of(startrail_rank), topo.one_position_sub_rings, rotation,
-                  regather_in_backward or (c == 1 and not init), kernel, topo, startrail_rank)
+                  regather_in_backward or (c == 1 and not init), kernel, topo, startrail_rank, reverse_overlap)
 
 
 def _kept(x: _Layer) -> int:
@@ -225,11 +228,15 @@ def _piece_major_terms(x: _Layer) -> dict[str, int]:
     """Rotation "q" with one position per sub-ring (Note [piece-major rotation q]): one piece of K, V at a time."""
     # While piece j computes: K, V regathered: piece j, [the next one landing and its send
     # buffer]; kept (Note [kept pieces] in backward.py): pieces j .. C-1, the earlier ones freed;
-    # dK, dV: piece j's, [the previous piece's, still being sent, and its reverse landing;
-    # this rank's own rows, reduced once piece j-1 is sent back, after piece member+1's compute].
+    # dK, dV: piece j's, [the previous piece's, still being sent, and its reverse landing, where
+    # they fly while piece j computes (Note [reverse overlap] in initial_send.py); this rank's own
+    # rows, reduced once they have landed: after piece member+1's compute, or before it without the overlap].
+    flies = reverse_overlaps(x.c, x.ekv * x.e, x.ekv * x.a, regathered=x.regathers, overlap=x.reverse_overlap)
+    own_reduced = x.member + 1 + (x.member + 1 < x.c and flies[x.member + 1])  # the first piece holding them
+
     def pieces(j: int) -> int:
         kv = ((1 + (j < x.c - 1) * (1 + x.init)) if x.regathers else x.c - j) * x.ekv * x.e
-        return kv + (1 + (j >= 1) * (1 + x.init) + (j >= x.member + 2)) * x.ekv * x.a
+        return kv + (1 + flies[j] * (1 + x.init) + (j >= own_reduced)) * x.ekv * x.a
 
     return {"one member's q, dO, out, lse": (x.eq + 2 * x.eo) * x.e + x.el * x.a, "dQ": 2 * x.eq * x.a,
             "pieces of K, V and dK|dV": max(pieces(j) for j in range(x.c)),
@@ -292,23 +299,26 @@ def backward_terms(x: _Layer) -> dict[str, int]:
 
 def layer_memory_terms(shape: AttentionShape, *, cp_size: int, team_size: int, ulysses_size: int = 1,
                        startrail_rank: int = 1, rotation: str = "auto", regather_in_backward: bool = False,
-                       kernel: str = "auto") -> dict[str, dict[str, int]]:
+                       kernel: str = "auto", reverse_overlap: bool = True) -> dict[str, dict[str, int]]:
     """``{"kept": {...}, "forward": {...}, "backward": {...}}``: each phase's peak as named terms
     (bytes) that sum to it. ``kernel``: whose workspace (planning/workspace.py); ``auto``: what
-    the attention picks on an H100 with torch's kernels."""
-    x = _layer(shape, cp_size, team_size, ulysses_size, startrail_rank, rotation, regather_in_backward, kernel)
+    the attention picks on an H100 with torch's kernels. ``reverse_overlap``: the setting of that
+    name (Note [reverse overlap] in initial_send.py)."""
+    x = _layer(shape, cp_size, team_size, ulysses_size, startrail_rank, rotation, regather_in_backward, kernel,
+               reverse_overlap)
     return {"kept": {"kept": _kept(x)}, "forward": forward_terms(x), "backward": backward_terms(x)}
 
 
 def layer_memory_bytes(shape: AttentionShape, *, cp_size: int, team_size: int, ulysses_size: int = 1,
                        startrail_rank: int = 1, rotation: str = "auto", regather_in_backward: bool = False,
-                       kernel: str = "auto") -> dict[str, int]:
+                       kernel: str = "auto", reverse_overlap: bool = True) -> dict[str, int]:
     """``{"kept", "forward_peak", "backward_peak", "peak"}``: bytes one rank's attention keeps
     for its backward, and the most it holds live during its forward and its backward (the
     kept bytes included; the caller's inputs not): the sums of :func:`layer_memory_terms`."""
     terms = layer_memory_terms(shape, cp_size=cp_size, team_size=team_size, ulysses_size=ulysses_size,
                                startrail_rank=startrail_rank, rotation=rotation,
-                               regather_in_backward=regather_in_backward, kernel=kernel)
+                               regather_in_backward=regather_in_backward, kernel=kernel,
+                               reverse_overlap=reverse_overlap)
     fwd, bwd = sum(terms["forward"].values()), sum(terms["backward"].values())
     return {"kept": terms["kept"]["kept"], "forward_peak": fwd, "backward_peak": bwd, "peak": max(fwd, bwd)}
 
@@ -325,12 +335,13 @@ def kept_per_layer_bytes(shape: AttentionShape, *, ulysses_size: int, team_size:
 
 def activation_peak_bytes(shape: AttentionShape, *, layers: int, cp_size: int, team_size: int,
                           ulysses_size: int = 1, regather_in_backward: bool = False, rotation: str = "auto",
-                          kernel: str = "auto") -> int:
+                          kernel: str = "auto", reverse_overlap: bool = True) -> int:
     """Per rank, the peak of ``layers`` attention layers of one micro-batch: what each keeps
     (:func:`kept_per_layer_bytes`) plus what one layer holds beyond that while it runs (only one
     layer's forward or backward runs at a time), its kernel's workspace included."""
     kept = kept_per_layer_bytes(shape, ulysses_size=ulysses_size, team_size=team_size,
                                 regather_in_backward=regather_in_backward, rotation=rotation)
     layer = layer_memory_bytes(shape, cp_size=cp_size, team_size=team_size, ulysses_size=ulysses_size,
-                               regather_in_backward=regather_in_backward, rotation=rotation, kernel=kernel)
+                               regather_in_backward=regather_in_backward, rotation=rotation, kernel=kernel,
+                               reverse_overlap=reverse_overlap)
     return layers * kept + layer["peak"] - layer["kept"]

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from ..accounting import AttentionShape, backward_p2p_parts, choose_backward_rotation, startrail_rank_elements
 from ..accounting import halo_rows
 from ..halo import MAX_HALO_SHARE
+from ..initial_send import reverse_overlaps
 from ..layout import normalize_window
 from ..topology import StarTrailTopology, valid_team_sizes
 from ..transfer import sub_ring_lanes
@@ -119,6 +120,7 @@ class Prediction:
     # ... plus, at the peak, one layer's forward or backward buffers (memory_model.py)
     peak_bytes: int = 0
     rotation: str = "auto"  # the backward rotation asked for ("q": streamed, the lowest peak)
+    reverse_overlap: bool = True  # False: --startrail-no-reverse-overlap (Note [reverse overlap])
 
     @property
     def name(self) -> str:
@@ -130,6 +132,8 @@ class Prediction:
             core += "-regather"
         if self.rotation != "auto":
             core += f"-rot{self.rotation}"
+        if not self.reverse_overlap:
+            core += "-no-reverse-overlap"
         return core if self.ulysses_size == 1 else f"ulysses-{self.ulysses_size}x{core}"
 
 
@@ -141,16 +145,17 @@ def overlapped_steps(overlap: float, compute: list[float], transfer: list[float]
 
 def predict(cluster: ClusterSpec, work: Workload, cp_size: int, team_size: int, ulysses_size: int = 1,
             transfer: str = "ring", regather_in_backward: bool = False, *, halo_exchange: bool = True,
-            rotation: str = "auto") -> Prediction:
+            rotation: str = "auto", reverse_overlap: bool = True) -> Prediction:
     """Predicted forward+backward time of one attention layer on one CP group, and the
     bytes ``work.layers`` such layers keep for backward on one rank. With ``work.window``:
     time, compute and inter-node bytes are the mean per layer over the mix of windowed and
     full layers (:func:`window_layers`), kept bytes their sum; ``halo_exchange=False``
-    prices a windowed layer through the schedule, as ``startrail_attn`` runs it then."""
+    prices a windowed layer through the schedule, as ``startrail_attn`` runs it then;
+    ``reverse_overlap``: the setting of that name (Note [reverse overlap] in initial_send.py)."""
     args = (cp_size, team_size, ulysses_size, transfer, regather_in_backward)
     if work.window is not None and normalize_window(work.window, work.causal) is None:
         work = dataclasses.replace(work, window=None)  # a window that bounds nothing (startrail_attn's rule)
-    schedule = dict(rotation=rotation)
+    schedule = dict(rotation=rotation, reverse_overlap=reverse_overlap)
     if work.window is None:
         return _schedule_layer(cluster, work, *args, **schedule)
     windowed, full = window_layers(work.layers, work.window_skip_freq)
@@ -164,7 +169,8 @@ def predict(cluster: ClusterSpec, work: Workload, cp_size: int, team_size: int, 
     kept = sum(n * p.activation_bytes for n, p in parts)
     transient = max(p.peak_bytes - p.activation_bytes for _, p in parts)  # one layer runs at a time
     return Prediction(ulysses_size, team_size, transfer, mean("time_s"), mean("compute_s"), mean("exposed_comm_s"),
-                      mean("internode_bytes"), regather_in_backward and team_size > 1, kept, kept + transient)
+                      mean("internode_bytes"), regather_in_backward and team_size > 1, kept, kept + transient,
+                      reverse_overlap=reverse_overlap)
 
 
 def _halo_layer(cluster: ClusterSpec, work: Workload, cp_size: int, team_size: int, ulysses_size: int,
@@ -214,9 +220,11 @@ def _ulysses_and_team_phases(cluster, shape, teams, ulysses_groups, c, regather_
 
 
 def _with_pieces(total, cluster, c, g, init_send_s, reverse_s, fwd_step_s, bwd_step_s, regather_in_backward,
-                 rotation) -> float:
+                 rotation, reverse_hidden: float = 1.0) -> float:
     """``total`` seconds with what the C-piece transfers change: what each piece hides behind the
-    step that attends it, the streamed rotation q's extra rounds, one latency per piece message."""
+    step that attends it, the streamed rotation q's extra rounds, one latency per piece message.
+    ``reverse_hidden``: the part of the C - 1 reverse pieces that fly while the next one computes
+    (Note [reverse overlap] in initial_send.py; piece-major rotation q)."""
 
     def pipelined(transfer_s: float, step_compute_s: float) -> float:
         """What a transfer cut in C pieces hides behind the step that attends each piece."""
@@ -226,7 +234,7 @@ def _with_pieces(total, cluster, c, g, init_send_s, reverse_s, fwd_step_s, bwd_s
     if regather_in_backward:
         total -= pipelined(init_send_s, bwd_step_s)
     if rotation == "q":  # dK, dV go back piece by piece during the last step (or pass, piece-major)
-        total -= pipelined(reverse_s, bwd_step_s)
+        total -= reverse_hidden * pipelined(reverse_s, bwd_step_s)
         # Note [streamed rotation q]: C passes of the sub-ring, one member's rows each: the
         # same bytes, C times the sequential rounds (each one latency more).
         total += (c - 1) * (g if g > 1 else 0) * cluster.inter_latency_s
@@ -238,7 +246,7 @@ def _with_pieces(total, cluster, c, g, init_send_s, reverse_s, fwd_step_s, bwd_s
 
 def _schedule_layer(cluster: ClusterSpec, work: Workload, cp_size: int, team_size: int, ulysses_size: int = 1,
                     transfer: str = "ring", regather_in_backward: bool = False, *,
-                    rotation: str = "auto") -> Prediction:
+                    rotation: str = "auto", reverse_overlap: bool = True) -> Prediction:
     """One layer through the StarTrail schedule (compute from :meth:`Workload.attention_flops`,
     windowed with ``work.window``: the window skips blocks, never transfers; the model
     spreads its compute evenly over the steps)."""
@@ -305,26 +313,34 @@ def _schedule_layer(cluster: ClusterSpec, work: Workload, cp_size: int, team_siz
     else:
         phases.append(reverse)
     total += sum(t for t, _ in phases)
+    hidden = 1.0  # Note [reverse overlap]: the reverse pieces that fly while the next one computes
+    if rotation == "q" and topo.one_position_sub_rings and c > 1:
+        flies = reverse_overlaps(c, ekv * e, ekv * a, regathered=regather_in_backward, overlap=reverse_overlap)
+        hidden = sum(flies) / (c - 1)
     total = _with_pieces(total, cluster, c, g, init_fwd[0][0], reverse[0], compute_fwd / g, compute_bwd / g,
-                         regather_in_backward, rotation)
+                         regather_in_backward, rotation, hidden)
     compute = compute_fwd + compute_bwd
     kept = work.layers * kept_per_layer_bytes(shape, ulysses_size=u, team_size=c,
                                               regather_in_backward=regather_in_backward, rotation=rotation)
     peak = activation_peak_bytes(shape, layers=work.layers, cp_size=cp_size, team_size=c, ulysses_size=u,
-                                 regather_in_backward=regather_in_backward, rotation=rotation)
+                                 regather_in_backward=regather_in_backward, rotation=rotation,
+                                 reverse_overlap=reverse_overlap)
     return Prediction(u, c, transfer, total, compute, max(0.0, total - compute), sum(b for _, b in phases),
-                      regather_in_backward and c > 1, kept, peak)
+                      regather_in_backward and c > 1, kept, peak, reverse_overlap=reverse_overlap)
 
 
 def _fitting(cluster, work, cp_size, c, u, transfer, memory_limit_bytes,
              rotations=("auto", "q")) -> Prediction | None:
     """The prediction for (U, C, transfer) within the memory limit: as it is if that fits,
-    else with the backward rotation "q" (streamed: a lower peak, the same bytes), else
-    regathering (ring attention keeps the same either way), else both; else None."""
-    options = [(regather, r) for regather in ((False, True) if c > 1 else (False,)) for r in rotations]
-    for regather, rotation in options:
-        pred = dataclasses.replace(predict(cluster, work, cp_size, c, u, transfer, regather, rotation=rotation),
-                                   rotation=rotation)
+    else with the backward rotation "q" (streamed: a lower peak, the same bytes), else that
+    without the reverse sends' overlap (sub-rings of one position: Note [reverse overlap]), else
+    regathering (ring attention keeps the same either way), else those together; else None."""
+    serial = c > 1 and StarTrailTopology(cp_size // u, c).one_position_sub_rings and "q" in rotations
+    options = [(regather, r, overlap) for regather in ((False, True) if c > 1 else (False,))
+               for r, overlap in [(r, True) for r in rotations] + ([("q", False)] if serial else [])]
+    for regather, rotation, overlap in options:
+        pred = dataclasses.replace(predict(cluster, work, cp_size, c, u, transfer, regather, rotation=rotation,
+                                           reverse_overlap=overlap), rotation=rotation)
         if memory_limit_bytes is None or pred.peak_bytes <= memory_limit_bytes:
             return pred
     return None

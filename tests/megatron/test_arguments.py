@@ -55,7 +55,8 @@ def test_auto_team_size_asks_the_planner_with_the_flags_values(monkeypatch):
 
     def spy(**inputs):
         asked.update(inputs)
-        return types.SimpleNamespace(team_size=4, regather_in_backward=True, rotation="q")  # none is a default
+        return types.SimpleNamespace(team_size=4, regather_in_backward=True, rotation="q",
+                                     reverse_overlap=False)  # none is a default
 
     monkeypatch.setattr("megatron_startrail.planning.planner.choose_plan", spy)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
@@ -79,7 +80,7 @@ def test_auto_team_size_asks_the_planner_with_the_flags_values(monkeypatch):
         backward_rotation="auto",  # --startrail-backward-rotation: left to the planner
     )
     assert (args.startrail_team_size, args.startrail_regather_in_backward,
-            args.startrail_backward_rotation) == (4, True, "q")
+            args.startrail_backward_rotation, args.startrail_reverse_overlap) == (4, True, "q", False)
 
 
 def test_memory_limit_turns_on_the_streamed_rotation_or_regathering_when_only_that_fits(monkeypatch):
@@ -121,6 +122,33 @@ def test_memory_limit_turns_on_the_streamed_rotation_or_regathering_when_only_th
                  "--seq-length", "4096", "--max-position-embeddings", "4096", "--num-layers", "8")
     validate_startrail_args(args)  # auto: whatever C it picks fits
     assert peak(args.startrail_team_size, *settings(args)) <= peak(2, True) + 16
+
+
+def test_memory_limit_turns_the_reverse_overlap_off_where_only_that_fits(monkeypatch):
+    """CP 4, C 2: sub-rings of one position. Between rotation q's peak with its reverse sends
+    overlapped and without (Note [reverse overlap] in initial_send.py), the limit takes the overlap
+    off before it regathers; --startrail-no-reverse-overlap sets it by hand, into the groups' config."""
+    from megatron_startrail.accounting import AttentionShape  # noqa: PLC0415
+    from megatron_startrail.megatron.from_args import config_from_args  # noqa: PLC0415
+    from megatron_startrail.planning.memory_model import activation_peak_bytes  # noqa: PLC0415
+
+    flags = ["--context-parallel-size", "4", "--context-parallel-algo", "startrail", "--startrail-team-size", "2",
+             "--seq-length", "4096", "--max-position-embeddings", "4096", "--num-layers", "8"]
+    shape = AttentionShape(4096 // 4, 1, 8, 8, 8, 4)
+    overlapped, serial = (activation_peak_bytes(shape, layers=8, cp_size=4, team_size=2, rotation="q",
+                                                reverse_overlap=overlap) for overlap in (True, False))
+    assert serial < overlapped
+    args = parse(monkeypatch, *flags, "--startrail-memory-limit-gb", str((serial + 16) / 1e9))
+    validate_startrail_args(args)
+    assert (args.startrail_regather_in_backward, args.startrail_backward_rotation,
+            args.startrail_reverse_overlap) == (False, "q", False)
+    assert config_from_args(args).reverse_overlap is False
+    args = parse(monkeypatch, *flags, "--startrail-memory-limit-gb", str((overlapped + 16) / 1e9))
+    validate_startrail_args(args)
+    assert args.startrail_reverse_overlap is True
+    args = parse(monkeypatch, *flags, "--startrail-no-reverse-overlap")
+    validate_startrail_args(args)
+    assert config_from_args(args).reverse_overlap is False
 
 
 @pytest.mark.parametrize(
