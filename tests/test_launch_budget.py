@@ -114,3 +114,10 @@ def test_index_ops_are_charged_at_the_rows_they_visit():
             op()
         index_bytes = 0 if "aten.add_" in counts.by_op else index.numel() * index.element_size()
         assert counts.launch == 1 and counts.bytes == expected + index_bytes, (counts.by_op, counts.bytes)
+
+
+def test_sites_are_refused_for_the_yardstick():
+    """The yardstick ring is written in the counter, not the package: it has no issuing line to
+    charge bytes to, so asking for its sites is an error, not an empty table."""
+    with pytest.raises(ValueError, match="yardstick"):
+        count(Case("ring", 8, 0, TOKENS), sites=True)

@@ -461,8 +461,13 @@ def count_yardstick(case: Case) -> Counts:
 
 
 def count(case: Case, sites: bool = False) -> Counts:
-    """:func:`count_startrail`, or :func:`count_yardstick` for team size 0."""
-    return count_yardstick(case) if case.team == 0 else count_startrail(case, sites)
+    """:func:`count_startrail`, or :func:`count_yardstick` for team size 0 (written here, not in
+    the package: it has no issuing lines to charge, so ``sites`` is refused for it)."""
+    if case.team == 0:
+        if sites:
+            raise ValueError(f"{case.name}: the yardstick ring runs no package code; sites are for StarTrail cases")
+        return count_yardstick(case)
+    return count_startrail(case, sites)
 
 
 def production_cases(tokens: int = 131072) -> list[Case]:
@@ -520,15 +525,17 @@ def _table(rows, before) -> list[str]:
     return out
 
 
-def table_args(doc: str) -> argparse.Namespace:
-    """The command line of this script and of layer_traffic.py (the same flags)."""
+def table_args(doc: str, sites: bool = False) -> argparse.Namespace:
+    """The command line of this script and of layer_traffic.py (the same flags; ``sites``: with
+    layer_traffic's ``--sites``)."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=131072)
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--before", help="rows of an earlier run (its --json) to show beside these")
     parser.add_argument("--only", help="run the cases whose name contains this")
-    parser.add_argument("--sites", type=int, default=0, metavar="N",
-                        help="layer_traffic: each case's N issuing lines that move the most bytes, after the table")
+    if sites:
+        parser.add_argument("--sites", type=int, default=0, metavar="N",
+                            help="each case's N issuing lines that move the most bytes, after the table")
     return parser.parse_args()
 
 

@@ -101,7 +101,7 @@ def table(rows: list[dict], before: list[dict] | None) -> list[str]:
 
 
 def main() -> None:
-    args = table_args(__doc__)
+    args = table_args(__doc__, sites=True)
     rows = [row(name, case, args.sites) for name, case in cases(args.tokens) if not args.only or args.only in name]
     before = read_rows(args.before)
     print("\n".join(table(rows, before)))
