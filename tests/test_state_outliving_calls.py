@@ -128,7 +128,8 @@ def groups_from_args_worker(rank, world_size):
         return argparse.Namespace(
             startrail_team_size=team_size, ulysses_degree_in_cp=1, startrail_backward_rotation="auto",
             startrail_transfer="ring", startrail_regather_in_backward=False, startrail_kernel="auto",
-            deterministic_mode=False, startrail_recompute_attention=False, distributed_timeout_minutes=1,
+            deterministic_mode=False, startrail_recompute_attention=False, startrail_reverse_overlap=True,
+            distributed_timeout_minutes=1,
             context_parallel_algo="startrail", nccl_communicator_config_path=None, hybrid_context_parallel=False)
 
     first = startrail_groups_from_args(args(2))
