@@ -623,6 +623,42 @@ def plan_calls(q_segments: tuple[Segment, ...], k_segments: tuple[Segment, ...],
     return _plan_calls(_plain(q_segments), _plain(k_segments), causal, window, max_rows, whole_key_runs)
 
 
+# Note [own rows in one call]
+# ---------------------------
+# Causal without a window, a query side and a key side often hold the same rows of a document:
+# a rank's two zigzag chunks of it, next to each other in storage ([front, back]; Megatron's
+# THD order keeps a document's chunks together) but not in position. Cut at position runs,
+# they made three sequences -- front x front and back x back causal, back x front full, the
+# last gathered when documents are many (its query rows every other run of the storage).
+# Their rows in storage order are in position order, so causal on the concatenated rows is
+# exact (row i sees row j iff j <= i iff position j <= position i): one causal sequence of
+# the rows, a view on both sides, the same pairs and FLOPs (a causal kernel skips the upper
+# triangle), and every query row written by one call instead of two and merged. A group
+# longer than max_rows keeps the cut sequences (the reference kernel's scores grow with it).
+
+
+def _storage_groups(segments: tuple[Segment, ...]) -> list[tuple[int, int, int, tuple[tuple[int, int], ...]]]:
+    """``(document, first row, rows, position runs)`` of every group of :func:`_joined` runs that
+    follow each other in storage, of one document, in increasing positions (Note [own rows in
+    one call]); each joined run is in one group, in storage order."""
+    out: list[tuple[int, int, int, tuple[tuple[int, int], ...]]] = []
+    for doc, a, b, row in _joined(segments):
+        if out and out[-1][0] == doc and out[-1][1] + out[-1][2] == row and out[-1][3][-1][1] <= a:
+            d, first, rows, positions = out[-1]
+            out[-1] = (d, first, rows + b - a, positions + ((a, b),))
+        else:
+            out.append((doc, row, b - a, ((a, b),)))
+    return out
+
+
+def _own_rows(q_segments, k_segments, max_rows) -> list[tuple[int, int, int, int]]:
+    """``(document, query first row, key first row, rows)`` of each query group whose positions
+    a key group holds the same (Note [own rows in one call]), within ``max_rows``."""
+    keys = {(doc, positions): row for doc, row, _, positions in _storage_groups(k_segments) if doc != PADDING}
+    return [(doc, row, keys[(doc, positions)], rows) for doc, row, rows, positions in _storage_groups(q_segments)
+            if len(positions) > 1 and (doc, positions) in keys and (max_rows is None or rows <= max_rows)]
+
+
 # Note [whole key runs]
 # ---------------------
 # ``max_rows`` bounds a call's key rows for the kernels whose temporaries grow with them (the
@@ -643,9 +679,19 @@ def _plan_calls(q_segments: tuple[Segment, ...], k_segments: tuple[Segment, ...]
     lo, hi = bounds if bounds is not None else (-INF, 0 if causal else INF)
     runs = _key_runs(k_segments)
     by_class: dict[tuple[int, int], list[tuple[tuple[int, int], tuple[tuple[int, int], ...]]]] = {}
+    # Note [own rows in one call]: the (query rows, key rows) pairs a causal sequence of a group takes whole
+    own = _own_rows(q_segments, k_segments, max_rows) if (lo, hi) == (-INF, 0) else []
+    for _, q0, k0, rows in own:
+        by_class.setdefault((-1, 0), []).append(((q0, q0 + rows), ((k0, k0 + rows),)))
+
+    def taken(q_row: int, k_row: int) -> bool:  # a pair of rows inside one of ``own``'s groups
+        return any(q0 <= q_row < q0 + n and k0 <= k_row < k0 + n for _, q0, k0, n in own)
+
     for doc, qa, qb, qo in _joined(q_segments):
         full = []
         for run in runs.get(doc, ()) if doc != PADDING else ():
+            if own and taken(qo, run[2][0][0]):
+                continue
             for cls, q0, q1, keys in _sequences(qa, qb, run, lo, hi):
                 if cls == (-1, -1):
                     full.append((q0, q1, keys))

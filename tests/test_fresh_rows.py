@@ -126,16 +126,20 @@ def test_a_fused_kernel_takes_a_run_of_keys_whole_in_the_forward():
 
 
 def test_the_backward_runs_a_steps_largest_call_first_and_zeroes_nothing():
-    # Note [largest call first]: zigzag chunks (0, 3) against themselves plan a full call (chunk 3's
-    # queries, chunk 0's keys: 4 + 4 rows) before the diagonal one (both chunks: 8 + 8). The backward
-    # runs the diagonal first: every row of it unwritten, written as it is; the full call adds. In
-    # plan order the diagonal call would find dQ rows 4..7 written and zero rows 0..3 first.
+    # Note [largest call first]: zigzag chunks (0, 3) of document 0 with document 1 stored between
+    # them, against themselves, plan a full call (chunk 3's queries, chunk 0's keys: 4 + 4 rows)
+    # before the diagonal one (the three runs: 12 + 12). The backward runs the diagonal first: every
+    # row of it unwritten, written as it is; the full call adds. In plan order the diagonal call
+    # would find dQ rows 8..11 written and zero rows 0..7 first. (Chunks 0 and 3 next to each other
+    # in storage make one causal call: Note [own rows in one call].)
     from torch.utils._python_dispatch import TorchDispatchMode  # noqa: PLC0415
 
     from megatron_startrail.layout import plan_calls  # noqa: PLC0415
 
-    segments = ((0, 0, 4), (0, 12, 16))  # zigzag chunks 0 and 3 of 4 tokens
-    assert [len(c.q_rows) for c in plan_calls(segments, segments, True)] == [1, 2]  # full, then diagonal
+    segments = ((0, 0, 4), (1, 0, 4), (0, 12, 16))
+    assert [len(c.q_rows) for c in plan_calls(segments, segments, True)] == [1, 3]  # full, then diagonal
+    own = ((0, 0, 4), (0, 12, 16))
+    assert [len(c.q_rows) for c in plan_calls(own, own, True)] == [1]  # own rows
 
     class Zeroes(TorchDispatchMode):
         count = 0
@@ -146,14 +150,14 @@ def test_the_backward_runs_a_steps_largest_call_first_and_zeroes_nothing():
 
     gen = torch.Generator().manual_seed(5)
     b, h, d = 2, 4, 16
-    q, dout, out = (torch.randn(8, b, h, d, generator=gen, dtype=torch.float64) for _ in range(3))
-    kv = torch.randn(8, b, h, 2 * d, generator=gen, dtype=torch.float64)
-    lse = torch.randn(8, b, h, generator=gen, dtype=torch.float64)
+    q, dout, out = (torch.randn(12, b, h, d, generator=gen, dtype=torch.float64) for _ in range(3))
+    kv = torch.randn(12, b, h, 2 * d, generator=gen, dtype=torch.float64)
+    lse = torch.randn(12, b, h, generator=gen, dtype=torch.float64)
     kw = dict(causal=True, scale=d ** -0.5)
     dq, dkv = torch.full_like(q, float("nan")), torch.full_like(kv, float("nan"))
     with Zeroes():
         blocks.backward_step(ReferenceKernel(), q, dout, out, lse, kv, segments, segments, dq, dkv,
-                             fresh_q=blocks.FreshRows(8), fresh_kv=blocks.FreshRows(8), **kw)
+                             fresh_q=blocks.FreshRows(12), fresh_kv=blocks.FreshRows(12), **kw)
     assert Zeroes.count == 0
     want_dq, want_dkv = torch.zeros_like(q), torch.zeros_like(kv)
     blocks.backward_step(ReferenceKernel(), q, dout, out, lse, kv, segments, segments, want_dq, want_dkv, **kw)

@@ -222,8 +222,12 @@ def test_causal_plan_matches_the_chunk_picture():
     assert plan((0, 3), (1, 2)) == [(((4, 8),), (((0, 8),),), (-1, -1))]
     # query chunks 1 and 2 both see all of key chunk 0 (and none of 3): one sequence.
     assert plan((1, 2), (0, 3)) == [(((0, 8),), (((0, 4),),), (-1, -1))]
-    # Against itself: the full block (chunk 3 sees chunk 0) and the two diagonals, two calls.
-    assert plan((0, 3), (0, 3)) == [(((4, 8),), (((0, 4),),), (-1, -1)),
+    # Against itself: chunks 0 and 3 in storage order are in position order, so one causal sequence
+    # over both (Note [own rows in one call]) holds the full block (chunk 3 sees chunk 0) and the
+    # two diagonals: one call, views on both sides.
+    assert plan((0, 3), (0, 3)) == [(((0, 8),), (((0, 8),),), (-1, 0))]
+    # Stored the other way round they are not: the full block and the two diagonals, two calls.
+    assert plan((3, 0), (3, 0)) == [(((0, 4),), (((4, 8),),), (-1, -1)),
                                     (((0, 4), (4, 8)), (((0, 4),), ((4, 8),)), (-1, 0))]
     # Ulysses U=2 over CP=4: StarTrail position 1 holds CP ranks 2 and 3's chunks, (2, 5, 3, 4)
     # of 8 chunks of 8 tokens (what team.team_segments asks for).
