@@ -31,7 +31,7 @@ def test_auto_team_size_hands_the_planner_the_window_flags(monkeypatch, skip, wa
 
     def spy(**inputs):
         asked.update(inputs)
-        return types.SimpleNamespace(team_size=2, regather_in_backward=False, rotation="auto")
+        return types.SimpleNamespace(team_size=2, regather_in_backward=False, rotation="auto", reverse_overlap=True)
 
     monkeypatch.setattr("megatron_startrail.planning.planner.choose_plan", spy)
     extra = ["--window-attn-skip-freq", skip] if skip else []
