@@ -637,26 +637,33 @@ def plan_calls(q_segments: tuple[Segment, ...], k_segments: tuple[Segment, ...],
 # longer than max_rows keeps the cut sequences (the reference kernel's scores grow with it).
 
 
-def _storage_groups(segments: tuple[Segment, ...]) -> list[tuple[int, int, int, tuple[tuple[int, int], ...]]]:
-    """``(document, first row, rows, position runs)`` of every group of :func:`_joined` runs that
-    follow each other in storage, of one document, in increasing positions (Note [own rows in
+def _storage_groups(segments: tuple[Segment, ...]) -> list[tuple[int, tuple[tuple[int, int], ...], tuple[int, ...]]]:
+    """``(document, position runs, first row of each run)`` of every group of :func:`_joined` runs
+    that follow each other in storage, of one document, in increasing positions (Note [own rows in
     one call]); each joined run is in one group, in storage order."""
-    out: list[tuple[int, int, int, tuple[tuple[int, int], ...]]] = []
+    out: list[tuple[int, tuple[tuple[int, int], ...], tuple[int, ...]]] = []
     for doc, a, b, row in _joined(segments):
-        if out and out[-1][0] == doc and out[-1][1] + out[-1][2] == row and out[-1][3][-1][1] <= a:
-            d, first, rows, positions = out[-1]
-            out[-1] = (d, first, rows + b - a, positions + ((a, b),))
+        if out and out[-1][0] == doc and out[-1][2][-1] + out[-1][1][-1][1] - out[-1][1][-1][0] == row \
+                and out[-1][1][-1][1] <= a:
+            out[-1] = (doc, out[-1][1] + ((a, b),), out[-1][2] + (row,))
         else:
-            out.append((doc, row, b - a, ((a, b),)))
+            out.append((doc, ((a, b),), (row,)))
     return out
 
 
-def _own_rows(q_segments, k_segments, max_rows) -> list[tuple[int, int, int, int]]:
-    """``(document, query first row, key first row, rows)`` of each query group whose positions
-    a key group holds the same (Note [own rows in one call]), within ``max_rows``."""
-    keys = {(doc, positions): row for doc, row, _, positions in _storage_groups(k_segments) if doc != PADDING}
-    return [(doc, row, keys[(doc, positions)], rows) for doc, row, rows, positions in _storage_groups(q_segments)
-            if len(positions) > 1 and (doc, positions) in keys and (max_rows is None or rows <= max_rows)]
+def _own_rows(q_segments, k_segments, max_rows):
+    """Note [own rows in one call]: ``(query rows, key rows)`` of each query group whose positions a
+    key group holds the same, within ``max_rows``; and the ``(query run, key run)`` pairs they take,
+    by the first rows of :func:`_joined`'s runs (a set: looked up for every pair of runs)."""
+    keys = {(doc, positions): rows for doc, positions, rows in _storage_groups(k_segments) if doc != PADDING}
+    sequences, taken = [], set()
+    for doc, positions, q_rows in _storage_groups(q_segments):
+        n = sum(b - a for a, b in positions)
+        k_rows = keys.get((doc, positions))
+        if len(positions) > 1 and k_rows is not None and (max_rows is None or n <= max_rows):
+            sequences.append(((q_rows[0], q_rows[0] + n), ((k_rows[0], k_rows[0] + n),)))
+            taken.update((q, k) for q in q_rows for k in k_rows)
+    return sequences, taken
 
 
 # Note [whole key runs]
@@ -679,18 +686,14 @@ def _plan_calls(q_segments: tuple[Segment, ...], k_segments: tuple[Segment, ...]
     lo, hi = bounds if bounds is not None else (-INF, 0 if causal else INF)
     runs = _key_runs(k_segments)
     by_class: dict[tuple[int, int], list[tuple[tuple[int, int], tuple[tuple[int, int], ...]]]] = {}
-    # Note [own rows in one call]: the (query rows, key rows) pairs a causal sequence of a group takes whole
-    own = _own_rows(q_segments, k_segments, max_rows) if (lo, hi) == (-INF, 0) else []
-    for _, q0, k0, rows in own:
-        by_class.setdefault((-1, 0), []).append(((q0, q0 + rows), ((k0, k0 + rows),)))
-
-    def taken(q_row: int, k_row: int) -> bool:  # a pair of rows inside one of ``own``'s groups
-        return any(q0 <= q_row < q0 + n and k0 <= k_row < k0 + n for _, q0, k0, n in own)
-
+    # Note [own rows in one call]: one causal sequence per group, and the pairs of runs it takes
+    own, taken = _own_rows(q_segments, k_segments, max_rows) if (lo, hi) == (-INF, 0) else ([], set())
+    if own:
+        by_class[(-1, 0)] = own
     for doc, qa, qb, qo in _joined(q_segments):
         full = []
         for run in runs.get(doc, ()) if doc != PADDING else ():
-            if own and taken(qo, run[2][0][0]):
+            if (qo, run[2][0][0]) in taken:
                 continue
             for cls, q0, q1, keys in _sequences(qa, qb, run, lo, hi):
                 if cls == (-1, -1):
