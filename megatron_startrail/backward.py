@@ -229,9 +229,17 @@ def backward_q(ctx, dout, saved: list):
         lane.prev(pos): team_segments(groups, docs, topo.kv_team_at_step(lane.prev(pos), 0)) for lane in lanes}
     dkv: dict[int, torch.Tensor] = {}  # piece j's dK, dV [n, b, hkv, dqk + dv], until it is sent back
     fresh_kv: dict[int, blocks.FreshRows] = {}  # their rows no call has written yet (Note [fresh rows])
-    flies: tuple[bool, ...] = ()  # piece-major: per piece j, whether piece j-1's dK, dV fly back while j computes
+    # Note [reverse overlap]: per piece j, whether piece j-1's dK, dV fly back while j computes; from
+    # the bytes of a piece [n, b, hkv, dqk + dv] (piece 0: the first the loop below waits for anyway)
+    flies: tuple[bool, ...] = ()
+    if piece_major:
+        piece = kv_init.piece(0)
+        flies = reverse_overlaps(c, piece.numel() * piece.element_size(),
+                                 piece.numel() * torch.finfo(acc_dtype).bits // 8, regathered=ctx.regather,
+                                 overlap=groups.config.reverse_overlap)
+        del piece
 
-    def send_back(j: int) -> None:  # piece j's rows of dK, dV are final (flies: set by then)
+    def send_back(j: int) -> None:  # piece j's rows of dK, dV are final
         fresh_kv.pop(j).fill(lambda a, b: dkv[j][a:b].zero_())
         kv_init.release(j)
         if kept is not None:  # its storage goes now, though autograd holds the saved tensor to the end
@@ -244,10 +252,6 @@ def backward_q(ctx, dout, saved: list):
     dq = None
     for pieces in ([[j] for j in range(c)] if piece_major else [list(range(c))]):
         first = kv_init.piece(pieces[0])  # [n, b, hkv, dqk + dv], landed before the round's passes
-        if piece_major and not flies:  # Note [reverse overlap]: from the pieces' bytes, the same on every member
-            flies = reverse_overlaps(c, first.numel() * first.element_size(),
-                                     first.numel() * torch.finfo(acc_dtype).bits // 8, regathered=ctx.regather,
-                                     overlap=groups.config.reverse_overlap)
         dkv.update((j, first.new_empty(first.shape, dtype=acc_dtype)) for j in pieces)
         fresh_kv.update((j, blocks.FreshRows(first.shape[0])) for j in pieces)
         del first
