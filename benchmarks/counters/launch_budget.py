@@ -98,18 +98,28 @@ def _tensor_bytes(tree) -> int:
 _WRITE_ONLY = {"copy_", "zero_", "fill_", "index_copy_", "index_fill_", "masked_fill_"}
 
 
-def _moved_bytes(name: str, args, kwargs, result) -> int:
-    """The ``schedule GB`` rule: every tensor argument read and the result written, each at its
-    view's size -- except the index ops, at the rows they gather or scatter: ``index_select`` reads
-    its result's rows of the source, ``index_add_`` / ``index_copy_`` read and write the rows of
-    their source's size in the destination (a GPU kernel visits the index, not the tensor it
-    indexes into: charging the whole destination made a call that gathers 8192 rows of a 32768-row
-    accumulator cost four times its rows). Read + write still, as for ``copy_``: comparable with
-    the other ops of this column; :func:`_touched_bytes` counts a destination only written once."""
+_INDEX_OPS = ("index_select", "index_copy_", "index_add_")
+
+
+def _index_op_bytes(name: str, args, result, *, written_once: bool) -> int:
+    """An index op at the rows it gathers or scatters (a GPU kernel visits the index, not the tensor
+    it indexes into): ``index_select`` reads its result's rows of the source and writes them;
+    ``index_add_`` reads and writes the source's rows of the destination and reads the source;
+    ``index_copy_`` the same, its destination rows counted once if ``written_once`` (they are only
+    written), else read and written as :func:`_moved_bytes` counts ``copy_``. The index is read."""
     if name == "index_select":
         return 2 * _tensor_bytes(result) + _tensor_bytes(args[2])
-    if name in ("index_copy_", "index_add_"):
-        return 3 * _tensor_bytes(args[3]) + _tensor_bytes(args[2])
+    destination = 1 if name == "index_copy_" and written_once else 2
+    return (destination + 1) * _tensor_bytes(args[3]) + _tensor_bytes(args[2])
+
+
+def _moved_bytes(name: str, args, kwargs, result) -> int:
+    """The ``schedule GB`` rule: every tensor argument read and the result written, each at its
+    view's size -- except the index ops, at their rows (:func:`_index_op_bytes`; charging the whole
+    destination made a call that gathers 8192 rows of a 32768-row accumulator cost four times its
+    rows). :func:`_touched_bytes` counts a destination only written once."""
+    if name in _INDEX_OPS:
+        return _index_op_bytes(name, args, result, written_once=False)
     return _tensor_bytes(args) + _tensor_bytes(kwargs or {}) + _tensor_bytes(result)
 
 
@@ -117,11 +127,8 @@ def _touched_bytes(name: str, args, kwargs, result) -> int:
     """Bytes the op reads and writes in memory: ``index_select`` reads the rows it gathers (its
     result's size), ``index_copy_`` / ``index_add_`` write (and, adding, read) the rows of their
     source's size; a destination only written (``copy_``, ``zero_``, an ``out=``) is counted once."""
-    if name == "index_select":
-        return 2 * _tensor_bytes(result) + _tensor_bytes(args[2])
-    if name in ("index_copy_", "index_add_"):
-        rows = _tensor_bytes(args[3])
-        return rows * (2 if name == "index_copy_" else 3) + _tensor_bytes(args[2])
+    if name in _INDEX_OPS:
+        return _index_op_bytes(name, args, result, written_once=True)
     written = _tensor_bytes(result)
     if name in _WRITE_ONLY:
         return written + _tensor_bytes(args[1:])
