@@ -22,7 +22,7 @@ import os
 
 from ..config import BACKWARD_ROTATIONS
 from ..kernels.selection import KERNELS
-from ..topology import StarTrailTopology, team_size_for, valid_team_sizes
+from ..topology import team_size_for, valid_team_sizes
 from ..transfer import TRANSFERS
 from .attention_options import check_attention_options
 from .recompute_checks import check_mtp_recompute, check_recompute_modules
@@ -447,7 +447,7 @@ def _fit_memory_limit(args, heads: int, kv_heads: int) -> None:
     """A given team size under --startrail-memory-limit-gb: the streamed backward rotation
     "q" and/or regathering where only that fits."""
     from ..accounting import AttentionShape  # noqa: PLC0415
-    from ..planning.memory_model import activation_peak_bytes  # noqa: PLC0415
+    from ..planning.memory_model import activation_peak_bytes, memory_fallbacks  # noqa: PLC0415
 
     inputs = _planner_inputs(args, heads, kv_heads)
     shape = AttentionShape(args.seq_length // args.context_parallel_size, args.micro_batch_size, heads, kv_heads,
@@ -466,25 +466,22 @@ def _fit_memory_limit(args, heads: int, kv_heads: int) -> None:
     # sub-rings of one position, that without its reverse sends' overlap; else regathering; else those together.
     given = getattr(args, "startrail_backward_rotation", "auto")
     rotations = ("auto", "q") if given == "auto" else (given,)
-    given_overlap = getattr(args, "startrail_reverse_overlap", True)
-    one_position = StarTrailTopology(args.context_parallel_size // args.ulysses_degree_in_cp, c).one_position_sub_rings
-    options = [(r, given_overlap) for r in rotations] + (
-        [("q", False)] if given_overlap and c > 1 and one_position and "q" in rotations else [])
-    regathers = (True,) if args.startrail_regather_in_backward else (False, True)
-    for regather in regathers:
-        for rotation, overlap in options:
-            if peak(regather, rotation, overlap) <= limit:
-                args.startrail_regather_in_backward = regather
-                if rotation != "auto":
-                    args.startrail_backward_rotation = rotation
-                args.startrail_reverse_overlap = overlap
-                return
-    least = min(peak(True, r, o) for r, o in options)
+    options = memory_fallbacks(args.context_parallel_size // args.ulysses_degree_in_cp, c, rotations,
+                               (True,) if args.startrail_regather_in_backward else (False, True),
+                               getattr(args, "startrail_reverse_overlap", True))
+    for regather, rotation, overlap in options:
+        if peak(regather, rotation, overlap) <= limit:
+            args.startrail_regather_in_backward = regather
+            if rotation != "auto":
+                args.startrail_backward_rotation = rotation
+            args.startrail_reverse_overlap = overlap
+            return
+    least = min(peak(True, r, o) for _, r, o in options)
     raise ValueError(
         f"--startrail-team-size {c} peaks at {least / 1e9:.3g} GB per rank in the attention of "
         f"{inputs['layers']} layers even with --startrail-regather-in-backward"
         f"{' and --startrail-backward-rotation q' if 'q' in rotations else ''}"
-        f"{' and --startrail-no-reverse-overlap' if any(not o for _, o in options) else ''}, over "
+        f"{' and --startrail-no-reverse-overlap' if any(not o for _, _, o in options) else ''}, over "
         f"--startrail-memory-limit-gb {args.startrail_memory_limit_gb:g}: raise the limit or "
         "--context-parallel-size"
     )

@@ -333,6 +333,20 @@ def kept_per_layer_bytes(shape: AttentionShape, *, ulysses_size: int, team_size:
     return kept + (startrail_rank_elements(shape, ulysses_size).out * shape.dtype_bytes if ulysses_size > 1 else 0)
 
 
+def memory_fallbacks(startrail_size: int, team_size: int, rotations: tuple[str, ...],
+                     regathers: tuple[bool, ...] = (False, True),
+                     reverse_overlap: bool = True) -> list[tuple[bool, str, bool]]:
+    """The settings a memory limit tries, in order, as ``(regather, rotation, reverse overlap)``:
+    for each of ``regathers``, each of ``rotations`` (as given; "q" streams the queries: a lower
+    peak, the same bytes), then, on sub-rings of one position, rotation "q" without the reverse
+    sends' overlap (Note [reverse overlap] in initial_send.py). The planner's ``_fitting`` and
+    ``--startrail-memory-limit-gb`` for a given team size both walk this list."""
+    serial = (reverse_overlap and team_size > 1 and "q" in rotations
+              and StarTrailTopology(startrail_size, team_size).one_position_sub_rings)
+    per_regather = [(r, reverse_overlap) for r in rotations] + ([("q", False)] if serial else [])
+    return [(regather, r, overlap) for regather in regathers for r, overlap in per_regather]
+
+
 def activation_peak_bytes(shape: AttentionShape, *, layers: int, cp_size: int, team_size: int,
                           ulysses_size: int = 1, regather_in_backward: bool = False, rotation: str = "auto",
                           kernel: str = "auto", reverse_overlap: bool = True) -> int:

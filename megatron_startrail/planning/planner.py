@@ -43,7 +43,7 @@ from ..layout import normalize_window
 from ..topology import StarTrailTopology, valid_team_sizes
 from ..transfer import sub_ring_lanes
 from .cluster import DEFAULT_CLUSTER, PRESETS, ClusterSpec, preset
-from .memory_model import activation_peak_bytes, kept_per_layer_bytes
+from .memory_model import activation_peak_bytes, kept_per_layer_bytes, memory_fallbacks
 
 BACKWARD_FLOPS_RATIO = 2.5
 
@@ -335,10 +335,8 @@ def _fitting(cluster, work, cp_size, c, u, transfer, memory_limit_bytes,
     else with the backward rotation "q" (streamed: a lower peak, the same bytes), else that
     without the reverse sends' overlap (sub-rings of one position: Note [reverse overlap]), else
     regathering (ring attention keeps the same either way), else those together; else None."""
-    serial = c > 1 and StarTrailTopology(cp_size // u, c).one_position_sub_rings and "q" in rotations
-    options = [(regather, r, overlap) for regather in ((False, True) if c > 1 else (False,))
-               for r, overlap in [(r, True) for r in rotations] + ([("q", False)] if serial else [])]
-    for regather, rotation, overlap in options:
+    for regather, rotation, overlap in memory_fallbacks(cp_size // u, c, rotations,
+                                                        (False, True) if c > 1 else (False,)):
         pred = dataclasses.replace(predict(cluster, work, cp_size, c, u, transfer, regather, rotation=rotation,
                                            reverse_overlap=overlap), rotation=rotation)
         if memory_limit_bytes is None or pred.peak_bytes <= memory_limit_bytes:
