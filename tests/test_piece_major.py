@@ -91,7 +91,9 @@ def piece_major_worker(rank, world_size, team_size):
 def no_reverse_overlap_failures(groups, rank, world_size, team_size) -> list[str]:
     """reverse_overlap=False (Note [reverse overlap] in initial_send.py): each piece's dK, dV land
     and are reduced before the next piece computes -- the same sums in the same order, so bitwise
-    the overlapped result, and the same bytes; with and without regathering."""
+    the overlapped result, and the same bytes; with and without regathering. And on what Megatron
+    hands the attention: q, k, v strided views into a wider buffer (its fused QKV's split) and a
+    non-contiguous dO, whose gradients reach the buffer; against the contiguous run."""
     serial = new_startrail_groups(team_size=team_size, backward_rotation="q", reverse_overlap=False)
     dqk, dv, kv_heads = HEAD_CASES[1]
     full = mla_inputs(77 + team_size, 2 * world_size * CHUNK, kv_heads, dqk, dv)
@@ -103,6 +105,20 @@ def no_reverse_overlap_failures(groups, rank, world_size, team_size) -> list[str
         if not all(torch.equal(a, b) for a, b in zip(got, want)):
             failures.append(f"P={world_size} C={team_size} regather={regather}: no reverse overlap changed the result")
         failures += comm_failures(serial, world_size, shape, regather, f"no reverse overlap, regather={regather}")
+        q, k, v, dout = (local_rows(t, rank, world_size).float() for t in full)
+        buffers = [torch.cat([t, torch.randn_like(t)], dim=-1).requires_grad_(True) for t in (q, k, v)]
+        views = [b[..., :t.shape[-1]] for b, t in zip(buffers, (q, k, v))]  # strided, as Megatron's split
+        out = startrail_attn(*views, serial, causal=True, softmax_scale=dqk**-0.5, regather_in_backward=regather)
+        dout_strided = torch.cat([dout, torch.randn_like(dout)], dim=-1)[..., :dout.shape[-1]]
+        assert not dout_strided.is_contiguous() and not views[0].is_contiguous()
+        out.backward(dout_strided)
+        strided = (out.detach(), *(b.grad[..., :t.shape[-1]] for b, t in zip(buffers, (q, k, v))))
+        for name, g, w in zip(("out", "dq", "dk", "dv"), strided, want):
+            if not relative_error(g, w) <= 1e-6:
+                failures.append(f"no reverse overlap, strided inputs, regather={regather}: {name} "
+                                f"{relative_error(g, w):.3g} from the contiguous run")
+        if any(b.grad[..., t.shape[-1]:].abs().max() != 0 for b, t in zip(buffers, (q, k, v))):
+            failures.append("no reverse overlap, strided inputs: a gradient outside the views' columns")
     return failures
 
 
